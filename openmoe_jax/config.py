@@ -1,0 +1,108 @@
+"""Model configuration: small frozen dataclasses, each bindable from gin.
+
+A layer reads only the config it needs (`MoeConfig` for the MoE block, `ModelConfig`
+for the decoder), never a global one.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+import gin
+
+MLP_KINDS = ("swiglu", "geglu", "openmoe_swiglu")
+ATTENTION_KINDS = ("causal", "prefix", "bidirectional")
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+DTYPES = ("float32", "bfloat16")
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+  """Sparse (ST-MoE) block settings; defaults follow OpenMoE v1."""
+
+  num_experts: int = 16
+  top_k: int = 2
+  expert_d_ff: Optional[int] = None  # None: same as the dense MLP's d_ff
+  group_size: int = 4096
+  capacity_factor_train: float = 1.25
+  capacity_factor_eval: float = 2.0
+  min_capacity: int = 4
+  renormalize_gates: bool = False
+  residual_mlp: bool = True  # OpenMoE's extra dense MLP after the experts
+  lb_loss_weight: float = 0.01
+  z_loss_weight: float = 1e-4
+  router_init_std: float = 0.02
+
+  def __post_init__(self):
+    if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
+      raise ValueError(
+          f"MoeConfig: need 1 <= top_k ({self.top_k}) <= num_experts ({self.num_experts})")
+    if self.group_size < 1 or self.min_capacity < 0:
+      raise ValueError("MoeConfig: group_size must be >= 1 and min_capacity >= 0")
+
+  def replace(self, **changes) -> "MoeConfig":
+    """Returns a copy with `changes` applied."""
+    return dataclasses.replace(self, **changes)
+
+  def capacity_factor(self, train: bool) -> float:
+    """Returns the capacity factor used in training or in evaluation."""
+    return self.capacity_factor_train if train else self.capacity_factor_eval
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Decoder-only transformer settings.
+
+  Layer i is sparse iff `sparse_interval > 0`, `i >= num_dense_first` and
+  `i % sparse_interval == sparse_interval - 1` (OpenMoE's MIXED layout).
+  """
+
+  vocab_size: Optional[int] = None  # None: taken from the task's vocabulary
+  d_model: int = 256
+  num_heads: int = 4
+  head_dim: int = 64
+  d_ff: int = 1024
+  num_layers: int = 4
+  mlp_kind: str = "openmoe_swiglu"
+  sparse_interval: int = 2
+  num_dense_first: int = 0
+  moe: MoeConfig = dataclasses.field(default_factory=MoeConfig)
+  dtype: str = "float32"  # activations; params and router math stay float32
+  remat_policy: str = "none"
+  scan_layers: bool = True
+  rope_base: float = 10000.0
+  norm_eps: float = 1e-6
+  emb_init_std: float = 1.0
+
+  def __post_init__(self):
+    _check_choice("mlp_kind", self.mlp_kind, MLP_KINDS)
+    _check_choice("remat_policy", self.remat_policy, REMAT_POLICIES)
+    _check_choice("dtype", self.dtype, DTYPES)
+    if self.num_layers < 1 or self.sparse_interval < 0 or self.num_dense_first < 0:
+      raise ValueError("ModelConfig: num_layers >= 1, sparse_interval >= 0, "
+                       "num_dense_first >= 0 required")
+    if self.head_dim % 2:
+      raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
+
+  def sparse_layers(self) -> Tuple[bool, ...]:
+    """Returns, per layer, whether it is an MoE layer."""
+    k = self.sparse_interval
+    return tuple(
+        bool(k) and i >= self.num_dense_first and i % k == k - 1
+        for i in range(self.num_layers))
+
+  @property
+  def expert_d_ff(self) -> int:
+    """Returns the hidden size of one expert."""
+    return self.moe.expert_d_ff or self.d_ff
+
+  def replace(self, **changes) -> "ModelConfig":
+    """Returns a copy with `changes` applied."""
+    return dataclasses.replace(self, **changes)
+
+
+def _check_choice(name, value, choices):
+  if value not in choices:
+    raise ValueError(f"ModelConfig.{name}={value!r}; choose one of {choices}")

@@ -1,0 +1,128 @@
+"""Batches for training and eval: seqio mixture -> feature converter -> numpy.
+
+`get_dataset` is deterministic given its arguments, so a restarted run that
+passes `skip_batches=n` continues exactly where an uninterrupted run would be
+after n batches.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import pathlib
+import sys
+from types import ModuleType
+from typing import Iterator, Optional
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import numpy as np  # pylint: disable=g-import-not-at-top
+import seqio  # pylint: disable=g-import-not-at-top
+import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+BATCH_KEYS = ("decoder_input_tokens", "decoder_target_tokens",
+              "decoder_loss_weights", "decoder_segment_ids",
+              "decoder_positions")
+
+
+def _hide_accelerators_from_tf() -> None:
+  # TF only feeds data here; left alone it would take GPU memory from JAX.
+  try:
+    tf.config.set_visible_devices([], "GPU")
+  except RuntimeError:  # TF already initialised its devices
+    pass
+
+
+_hide_accelerators_from_tf()
+
+
+def task_registrations() -> ModuleType:
+  """Returns the `openmoe_jax.tasks` module (registers its gin configurables).
+
+  Installed, `tasks/` is the package `openmoe_jax.tasks`; from a source
+  checkout on PYTHONPATH it is loaded from `<repo>/tasks` under that name.
+  """
+  try:
+    return importlib.import_module("openmoe_jax.tasks")
+  except ModuleNotFoundError as e:
+    if e.name != "openmoe_jax.tasks":
+      raise
+  init = pathlib.Path(__file__).resolve().parents[2] / "tasks" / "__init__.py"
+  spec = importlib.util.spec_from_file_location(
+      "openmoe_jax.tasks", init, submodule_search_locations=[str(init.parent)])
+  module = importlib.util.module_from_spec(spec)
+  sys.modules["openmoe_jax.tasks"] = module
+  try:
+    spec.loader.exec_module(module)
+  except BaseException:
+    del sys.modules["openmoe_jax.tasks"]
+    raise
+  setattr(sys.modules["openmoe_jax"], "tasks", module)
+  return module
+
+
+tasks = task_registrations()
+
+
+def vocabulary_for(mixture_or_task_name: str) -> seqio.Vocabulary:
+  """Returns the targets vocabulary of a task or mixture (size: `.vocab_size`)."""
+  tasks.register_tasks()
+  provider = seqio.get_mixture_or_task(mixture_or_task_name)
+  return provider.output_features["targets"].vocabulary
+
+
+def _with_segments(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """Adds segment ids / positions to an unpacked batch (one segment per row)."""
+  if "decoder_segment_ids" not in batch:
+    real = (batch["decoder_target_tokens"] != 0).astype(np.int32)
+    batch["decoder_segment_ids"] = real
+    positions = np.arange(real.shape[-1], dtype=np.int32)
+    batch["decoder_positions"] = positions[None, :] * real
+  return {k: np.asarray(batch[k], dtype=np.int32) for k in BATCH_KEYS}
+
+
+def get_dataset(
+    mixture_or_task_name: str,
+    sequence_length: int,
+    batch_size: int,
+    split: str = "train",
+    shuffle: bool = True,
+    seed: int = 0,
+    repeat: bool = True,
+    skip_batches: int = 0,
+    pack: bool = True,
+    shard_index: int = 0,
+    num_shards: int = 1,
+    num_batches: Optional[int] = None,
+) -> Iterator[dict[str, np.ndarray]]:
+  """Returns an iterator of int32 batches of shape [batch_size, sequence_length].
+
+  Keys: BATCH_KEYS (decoder_{input,target}_tokens, _loss_weights,
+  _segment_ids, _positions). Packing puts several documents per row (segment
+  ids 1, 2, ..., positions restart at 0; padding has segment 0 and weight 0).
+  `skip_batches` drops that many batches first (resume); `num_batches` caps
+  the count; `repeat=False` gives one pass (validation: also shuffle=False).
+  `shard_index`/`num_shards` select this host's share of the examples.
+  """
+  tasks.register_tasks()
+  shard_info = (seqio.ShardInfo(index=shard_index, num_shards=num_shards)
+                if num_shards > 1 else None)
+  ds = seqio.get_dataset(
+      mixture_or_task_name,
+      task_feature_lengths={"targets": sequence_length},
+      feature_converter=seqio.DecoderFeatureConverter(pack=pack),
+      dataset_split=split,
+      shuffle=shuffle,
+      num_epochs=None if repeat else 1,
+      shard_info=shard_info,
+      verbose=False,
+      seed=seed,
+      batch_size=batch_size,
+  )
+  if skip_batches:
+    ds = ds.skip(skip_batches)
+  if num_batches is not None:
+    ds = ds.take(num_batches)
+  ds = ds.prefetch(2)
+  return (_with_segments(batch) for batch in ds.as_numpy_iterator())

@@ -1,0 +1,1 @@
+"""Transformer building blocks: attention, gated MLPs, norms, embeddings."""

@@ -1,0 +1,78 @@
+"""Multi-head self-attention with RoPE and a mask builder for packed sequences.
+
+Mask kinds: "causal" (decoder LM), "prefix" (bidirectional inside an inputs prefix,
+causal elsewhere: prefix LM / UL2) and "bidirectional" (masked diffusion). Every kind
+respects packing: tokens of different segments never attend to each other.
+"""
+from typing import Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from openmoe_jax.config import ATTENTION_KINDS
+from openmoe_jax.layers.embeddings import apply_rope
+
+
+def make_attention_mask(kind: str, length: int,
+                        segment_ids_bt: Optional[jax.Array] = None,
+                        prefix_bt: Optional[jax.Array] = None,
+                        batch: int = 1) -> jax.Array:
+  """Returns a bool mask [b, 1, t_q, t_k]: True where query may attend to key."""
+  if kind not in ATTENTION_KINDS:
+    raise ValueError(f"unknown attention kind {kind!r}; choose one of {ATTENTION_KINDS}")
+  idx = jnp.arange(length)
+  causal_tt = idx[:, None] >= idx[None, :]
+  if kind == "causal":
+    mask_btt = jnp.broadcast_to(causal_tt, (batch, length, length))
+  elif kind == "bidirectional":
+    mask_btt = jnp.ones((batch, length, length), bool)
+  else:
+    if prefix_bt is None:
+      raise ValueError("attention kind 'prefix' needs prefix flags "
+                       "(decoder_causal_attention)")
+    prefix_bt = prefix_bt.astype(bool)
+    both_prefix_btt = prefix_bt[:, :, None] & prefix_bt[:, None, :]
+    mask_btt = causal_tt[None] | both_prefix_btt
+  if segment_ids_bt is not None:
+    mask_btt = mask_btt & (segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :])
+  return mask_btt[:, None]
+
+
+class Attention(nn.Module):
+  """Self-attention: [b, t, d] -> [b, t, d]; scores and softmax in float32."""
+
+  num_heads: int
+  head_dim: int
+  rope_base: float = 10000.0
+  dtype: jnp.dtype = jnp.float32
+
+  def _proj(self, name, x_btd):
+    d = x_btd.shape[-1]
+    init = nn.initializers.normal(d ** -0.5)
+    kernel = self.param(
+        name, nn.with_logical_partitioning(init, ("embed", "heads", "kv")),
+        (d, self.num_heads, self.head_dim), jnp.float32)
+    return jnp.einsum("btd,dhk->bthk", x_btd, kernel.astype(self.dtype))
+
+  @nn.compact
+  def __call__(self, x_btd: jax.Array, positions_bt: jax.Array,
+               mask_b1tt: jax.Array) -> jax.Array:
+    q_bthk = apply_rope(self._proj("query", x_btd), positions_bt, self.rope_base)
+    k_bthk = apply_rope(self._proj("key", x_btd), positions_bt, self.rope_base)
+    v_bthk = self._proj("value", x_btd)
+    q_bthk = nn.with_logical_constraint(
+        q_bthk, ("batch", "length", "act_heads", "act_kv"))
+    scores_bhqk = jnp.einsum("bqhk,bshk->bhqs", q_bthk, k_bthk,
+                             preferred_element_type=jnp.float32)
+    scores_bhqk = scores_bhqk * (self.head_dim ** -0.5)
+    scores_bhqk = jnp.where(mask_b1tt, scores_bhqk, jnp.finfo(jnp.float32).min)
+    probs_bhqk = jax.nn.softmax(scores_bhqk, axis=-1).astype(self.dtype)
+    out_bthk = jnp.einsum("bhqs,bshk->bqhk", probs_bhqk, v_bthk)
+    inner = self.num_heads * self.head_dim
+    wo = self.param(
+        "out", nn.with_logical_partitioning(
+            nn.initializers.normal(inner ** -0.5), ("heads", "kv", "embed")),
+        (self.num_heads, self.head_dim, x_btd.shape[-1]), jnp.float32)
+    out_btd = jnp.einsum("bthk,hkd->btd", out_bthk, wo.astype(self.dtype))
+    return nn.with_logical_constraint(out_btd, ("batch", "length", "act_embed"))

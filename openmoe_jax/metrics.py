@@ -1,0 +1,131 @@
+"""Scalar metrics to TensorBoard and JSON lines, and console progress lines.
+
+Metric names carry their group: "train/loss", "eval/loss", "train/tokens_per_sec",
+"train/learning_rate", "moe/drop_fraction", ...
+"""
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping
+
+import numpy as np
+from clu import metric_writers
+from etils import epath
+
+JSONL_NAME = "metrics.jsonl"
+
+
+def to_float(value) -> float:
+  """Returns a python float from a python/numpy/jax scalar (or size-1 array)."""
+  array = np.asarray(value)
+  if array.size != 1:
+    raise ValueError(f"expected a scalar, got shape {array.shape}")
+  return float(array.reshape(()))
+
+
+class MetricsLogger:
+  """Writes scalars to TensorBoard event files and `<model_dir>/metrics.jsonl`.
+
+  Only the chief process writes files; other processes log through absl only.
+  Each `write` appends one JSON object per line: {"step": 10, "train/loss": 2.3, ...}.
+  Non-finite values are written as NaN/Infinity (python's json extension).
+  """
+
+  def __init__(self, model_dir: str, is_chief: bool = True):
+    self.model_dir = epath.Path(model_dir)
+    self.is_chief = is_chief
+    self.jsonl_path = self.model_dir / JSONL_NAME
+    if is_chief:
+      self.model_dir.mkdir(parents=True, exist_ok=True)
+      self._writer = metric_writers.create_default_writer(os.fspath(self.model_dir))
+    else:
+      self._writer = metric_writers.create_default_writer(just_logging=True)
+    self._pending: list[str] = []
+    self._local = "://" not in os.fspath(self.jsonl_path)
+
+  def write(self, step: int, scalars: Mapping[str, float]) -> dict:
+    """Records `scalars` at `step`; returns the row written ({"step": ..., name: float})."""
+    row = {"step": int(step), **{k: to_float(v) for k, v in scalars.items()}}
+    self._writer.write_scalars(int(step), {k: v for k, v in row.items() if k != "step"})
+    if self.is_chief:
+      self._pending.append(json.dumps(row))
+      if self._local:
+        self._append_pending()
+    return row
+
+  def flush(self) -> None:
+    """Pushes buffered scalars to TensorBoard and the JSON-lines file."""
+    self._writer.flush()
+    self._append_pending()
+
+  def _append_pending(self) -> None:
+    if not self._pending:
+      return
+    text = "".join(line + "\n" for line in self._pending)
+    if self._local:
+      with open(os.fspath(self.jsonl_path), "a") as f:
+        f.write(text)
+    else:
+      # Remote stores (gs://) cannot append: rewrite this small file, on flush only.
+      old = self.jsonl_path.read_text() if self.jsonl_path.exists() else ""
+      self.jsonl_path.write_text(old + text)
+    self._pending.clear()
+
+  def close(self) -> None:
+    """Flushes and closes the writers."""
+    self.flush()
+    self._writer.close()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
+def format_hms(seconds: float) -> str:
+  """Returns `seconds` as 'h:mm:ss' (hours unbounded, e.g. '27:03:09')."""
+  if not np.isfinite(seconds):
+    return "?:??:??"
+  s = max(0, int(round(seconds)))
+  return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+class ProgressPrinter:
+  """Prints one console line per call: step/total, loss, tokens/s, elapsed, ETA.
+
+  The ETA extrapolates the mean speed since the first call (start_step), so time
+  spent before it (compilation, restore) does not distort it.
+  """
+
+  def __init__(self, total_steps: int, start_step: int = 0,
+               print_fn: Callable[[str], None] | None = None,
+               clock: Callable[[], float] = time.monotonic):
+    self.total_steps = total_steps
+    self.start_step = start_step
+    self._print = print_fn or (lambda line: print(line, file=sys.stdout, flush=True))
+    self._clock = clock
+    self._start_time = clock()
+
+  def line(self, step: int, loss: float | None = None,
+           tokens_per_sec: float | None = None) -> str:
+    """Returns the progress line for `step` without printing it."""
+    elapsed = self._clock() - self._start_time
+    done = step - self.start_step
+    eta = (self.total_steps - step) * elapsed / done if done > 0 else float("nan")
+    width = len(str(self.total_steps))
+    parts = [f"step {step:>{width}}/{self.total_steps}"]
+    if loss is not None:
+      parts.append(f"loss {to_float(loss):.4f}")
+    if tokens_per_sec is not None:
+      parts.append(f"{to_float(tokens_per_sec):,.0f} tok/s")
+    parts += [f"elapsed {format_hms(elapsed)}", f"eta {format_hms(eta)}"]
+    return " | ".join(parts)
+
+  def update(self, step: int, loss: float | None = None,
+             tokens_per_sec: float | None = None) -> str:
+    """Prints and returns the progress line for `step`."""
+    text = self.line(step, loss, tokens_per_sec)
+    self._print(text)
+    return text

@@ -1,0 +1,1 @@
+"""Mixture-of-Experts: routers, dispatch engines, auxiliary losses, the MoE block."""

@@ -1,0 +1,150 @@
+"""Device mesh and logical axis rules: the one place logical names meet mesh axes.
+
+Model code names parameter axes with `nn.with_logical_partitioning` and activation axes
+with `nn.with_logical_constraint`; nothing outside this module mentions a mesh axis.
+The rules are derived from `LOGICAL_AXES` for whichever mesh axes exist, so adding a
+mesh axis (fsdp, expert, tensor) only changes the mesh, never the model code.
+"""
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import flax.linen as nn
+import gin
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+# Mesh axis names this library knows, outermost first.
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+
+# Logical axis -> mesh axes it may be sharded over, in order. Mesh axes that are absent
+# from the current mesh are dropped; a logical axis left with none is replicated.
+LOGICAL_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    # Parameters.
+    ("vocab", ("tensor",)),
+    ("embed", ("fsdp",)),
+    ("heads", ("tensor",)),
+    ("kv", ()),
+    ("mlp", ("tensor",)),
+    ("expert", ("expert",)),
+    ("expert_mlp", ("tensor",)),
+    ("layers", ()),  # the nn.scan axis stays whole on every device
+    ("unmodeled", ()),
+    # Activations. Under expert parallelism the batch is also split over 'expert'
+    # (t5x contrib/moe: batch -> (expert, data)).
+    ("batch", ("data", "fsdp", "expert")),
+    ("length", ()),
+    ("act_embed", ()),
+    ("act_heads", ("tensor",)),
+    ("act_kv", ()),
+    ("act_mlp", ("tensor",)),
+    ("expert_group", ()),
+    ("capacity", ()),
+    ("act_expert", ("expert",)),
+)
+
+LogicalRules = list[tuple[str, str | tuple[str, ...] | None]]
+
+
+def logical_axis_rules(mesh_axis_names: Sequence[str] = ("data",)) -> LogicalRules:
+  """Returns flax logical axis rules [(logical_name, mesh_axes or None), ...].
+
+  Each logical axis maps to the subset of its candidate mesh axes present in
+  `mesh_axis_names`: None when there is none, a name when one, a tuple when several.
+  """
+  unknown = set(mesh_axis_names) - set(MESH_AXES)
+  if unknown:
+    raise ValueError(f"unknown mesh axes {sorted(unknown)}; known: {MESH_AXES}")
+  rules = []
+  for logical, candidates in LOGICAL_AXES:
+    present = tuple(a for a in candidates if a in mesh_axis_names)
+    rules.append((logical, present[0] if len(present) == 1 else (present or None)))
+  return rules
+
+
+@gin.configurable
+def make_mesh(num_devices: int | None = None) -> Mesh:
+  """Returns a one-axis ('data',) mesh over the first `num_devices` local devices.
+
+  num_devices=None uses all of them. Axes are Auto (GSPMD propagation), not the
+  Explicit default of `jax.make_mesh`.
+  """
+  devices = jax.local_devices()
+  n = len(devices) if num_devices is None else num_devices
+  if not 1 <= n <= len(devices):
+    raise ValueError(f"num_devices={num_devices} but {len(devices)} local devices exist")
+  return Mesh(np.array(devices[:n]), ("data",))
+
+
+def _check_known_names(names: Sequence, where) -> None:
+  known = {name for name, _ in LOGICAL_AXES}
+  for axis in names:
+    for name in axis if isinstance(axis, tuple) else (axis,):
+      if name is not None and name not in known:
+        raise ValueError(f"logical axis {name!r} (in {where}) has no rule in "
+                         f"partitioning.LOGICAL_AXES; known: {sorted(known)}")
+
+
+def _mesh_size(mesh: Mesh, axes) -> int:
+  if axes is None:
+    return 1
+  names = axes if isinstance(axes, tuple) else (axes,)
+  return int(np.prod([mesh.shape[name] for name in names]))
+
+
+def param_shardings(abstract_boxed_tree, mesh: Mesh):
+  """Returns a pytree of NamedSharding for (abstract) boxed params or train state.
+
+  `abstract_boxed_tree` is typically `jax.eval_shape(model.init, ...)`, or a state
+  built from it: leaves boxed in `nn.LogicallyPartitioned` get the sharding of their
+  logical names; unboxed leaves are replicated, and so are boxed leaves whose rank
+  differs from their names (Adafactor's factored moments inherit the param's box).
+  A dimension its mesh axes do not divide evenly stays whole (e.g. Adafactor's size-1
+  placeholders). The result mirrors the unboxed tree, a valid prefix for
+  `jax.jit(init, out_shardings=...)` of the boxed output. Raises ValueError for a
+  logical name missing from LOGICAL_AXES (flax would silently replicate it).
+  """
+  rules = logical_axis_rules(mesh.axis_names)
+
+  def sharding(leaf):
+    if not isinstance(leaf, nn.Partitioned):
+      return replicated(mesh)
+    spec = leaf.get_partition_spec()
+    _check_known_names(spec, spec)
+    shape = leaf.value.shape
+    if len(spec) != len(shape):
+      return replicated(mesh)
+    mesh_spec = nn.logical_to_mesh_axes(spec, rules)
+    return NamedSharding(mesh, PartitionSpec(*(
+        axes if size % _mesh_size(mesh, axes) == 0 else None
+        for axes, size in zip(mesh_spec, shape))))
+
+  return jax.tree.map(sharding, abstract_boxed_tree,
+                      is_leaf=lambda x: isinstance(x, nn.Partitioned))
+
+
+def logical_sharding(mesh: Mesh, *logical_names: str | None) -> NamedSharding:
+  """Returns the NamedSharding of an array whose axes have the given logical names."""
+  spec = nn.logical_to_mesh_axes(logical_names, logical_axis_rules(mesh.axis_names))
+  return NamedSharding(mesh, spec)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Returns the sharding of input batches: leading (batch) dim split, rest whole."""
+  return logical_sharding(mesh, "batch")
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  """Returns a sharding that puts a full copy on every device of `mesh`."""
+  return NamedSharding(mesh, PartitionSpec())
+
+
+@contextlib.contextmanager
+def activate(mesh: Mesh) -> Iterator[Mesh]:
+  """Context manager making `mesh` current and its logical axis rules active.
+
+  Inside it, `nn.with_logical_constraint` in model code becomes a real sharding
+  constraint (outside any mesh flax makes it a no-op). Yields the mesh.
+  """
+  with jax.set_mesh(mesh), nn.logical_axis_rules(logical_axis_rules(mesh.axis_names)):
+    yield mesh

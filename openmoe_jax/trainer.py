@@ -1,0 +1,248 @@
+"""The training loop: sharded init or resume, jitted steps, eval, metrics, checkpoints.
+
+`train()` is gin-configured; the command line lives in train.py. MODEL_DIR receives
+checkpoints, TensorBoard events, metrics.jsonl and the operative config.gin.
+"""
+import math
+import time
+from typing import Any, Callable, Dict, Iterator, Optional
+
+import flax.linen as nn
+import flax.struct
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from openmoe_jax import gin_utils, partitioning
+from openmoe_jax.checkpoints import Checkpointer, abstract_with_shardings
+from openmoe_jax.config import ModelConfig
+from openmoe_jax.data import pipeline
+from openmoe_jax.metrics import MetricsLogger, ProgressPrinter, to_float
+from openmoe_jax.model import Decoder
+from openmoe_jax.objectives import CausalLm
+from openmoe_jax.optim import learning_rate
+
+VOCAB_MULTIPLE = 128  # embedding rows are padded so the vocab axis shards evenly
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Everything a resumed run needs besides the data position."""
+
+  step: jax.Array
+  params: Any
+  opt_state: Any
+
+
+def build_model_config(model_config: Optional[ModelConfig], vocab_size: int) -> ModelConfig:
+  """Returns `model_config` (default: gin's ModelConfig()) with vocab_size filled in."""
+  cfg = model_config or ModelConfig()
+  if cfg.vocab_size is None:
+    cfg = cfg.replace(vocab_size=-(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE)
+  elif cfg.vocab_size < vocab_size:
+    raise ValueError(f"ModelConfig.vocab_size={cfg.vocab_size} is smaller than the "
+                     f"task vocabulary ({vocab_size})")
+  return cfg
+
+
+def init_train_state(model: nn.Module, optimizer: optax.GradientTransformation,
+                     mesh, rng: jax.Array, sequence_length: int):
+  """Returns (init_fn, abstract unboxed state, state shardings).
+
+  init_fn(rng) creates the state directly in its shardings (no host holds it whole).
+  """
+  tokens = jnp.zeros((1, sequence_length), jnp.int32)
+
+  def init_boxed(rng):
+    params = model.init(rng, tokens)["params"]
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=optimizer.init(nn.unbox(params)))
+
+  abstract = jax.eval_shape(init_boxed, rng)
+  shardings = TrainState(
+      step=partitioning.replicated(mesh),
+      params=partitioning.param_shardings(abstract.params, mesh),
+      opt_state=_opt_state_shardings(abstract, mesh))
+  init = jax.jit(lambda r: nn.unbox(init_boxed(r)), out_shardings=shardings)
+  return init, _strip_boxes(abstract), shardings
+
+
+def _strip_boxes(tree):
+  """Returns `tree` with logical-partitioning boxes removed (no sharding constraint,
+  so it also works on abstract values)."""
+  is_box = lambda x: isinstance(x, nn.Partitioned)
+  return jax.tree.map(lambda x: x.value if is_box(x) else x, tree, is_leaf=is_box)
+
+
+def _opt_state_shardings(abstract_state: TrainState, mesh):
+  """Returns shardings for the optimizer state: moments shaped like a parameter
+  follow that parameter's sharding; everything else is replicated."""
+  param_sh = partitioning.param_shardings(abstract_state.params, mesh)
+  params = _strip_boxes(abstract_state.params)
+  treedef = jax.tree.structure(params)
+  mirrors = lambda x: jax.tree.structure(x) == treedef
+  def shard(sub):
+    if not mirrors(sub):
+      return partitioning.replicated(mesh)
+    return jax.tree.map(lambda leaf, p, s: s if leaf.shape == p.shape
+                        else partitioning.replicated(mesh), sub, params, param_sh)
+  return jax.tree.map(shard, abstract_state.opt_state, is_leaf=mirrors)
+
+
+def make_train_step(model, objective, optimizer) -> Callable:
+  """Returns train_step(state, batch, rng) -> (new state, scalar metrics)."""
+  def train_step(state: TrainState, batch, rng):
+    step_rng = jax.random.fold_in(rng, state.step)
+    grad_fn = jax.value_and_grad(
+        lambda p: objective(model, p, batch, step_rng, train=True), has_aux=True)
+    (_, metrics), grads = grad_fn(state.params)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics["grad_norm"] = optax.tree.norm(grads)
+    metrics["learning_rate"] = learning_rate(opt_state)
+    return TrainState(state.step + 1, params, opt_state), metrics
+  return train_step
+
+
+def make_eval_step(model, objective) -> Callable:
+  """Returns eval_step(params, batch) -> scalar metrics (eval capacity factor)."""
+  def eval_step(params, batch):
+    _, metrics = objective(model, params, batch, jax.random.PRNGKey(0), train=False)
+    return metrics
+  return eval_step
+
+
+def evaluate(eval_step, params, batches: Iterator[Dict[str, np.ndarray]],
+             to_device: Callable) -> Dict[str, float]:
+  """Returns metrics averaged over `batches`, weighted by real target tokens."""
+  totals: Dict[str, float] = {}
+  weight = 0.0
+  for batch in batches:
+    metrics = jax.device_get(eval_step(params, to_device(batch)))
+    n = float(metrics["num_tokens"])
+    for k, v in metrics.items():
+      if k != "num_tokens":
+        totals[k] = totals.get(k, 0.0) + float(v) * n
+    weight += n
+  if weight == 0:
+    raise ValueError("evaluation saw no target tokens: is the split empty?")
+  result = {k: v / weight for k, v in totals.items()}
+  result["num_tokens"] = weight
+  return result
+
+
+def _mean_metrics(history) -> Dict[str, float]:
+  fetched = jax.device_get(history)
+  return {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
+
+
+@gin.configurable
+def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRED,
+          train_steps: int = gin.REQUIRED, batch_size: int = gin.REQUIRED,
+          sequence_length: int = gin.REQUIRED,
+          optimizer: optax.GradientTransformation = gin.REQUIRED,
+          model_config: Optional[ModelConfig] = None, objective: Any = None,
+          eval_every_steps: int = 100, eval_batches: int = 8,
+          eval_split: str = "validation", log_every_steps: int = 10,
+          checkpoint_every_steps: int = 100, keep_checkpoints: int = 3,
+          seed: int = 0, num_devices: Optional[int] = None,
+          print_fn: Callable[[str], None] = print) -> Dict[str, Any]:
+  """Trains (or resumes) a Decoder; returns a summary dict (first/last eval loss,
+  tokens/s, final step, train loss)."""
+  objective = objective or CausalLm()
+  vocab = pipeline.vocabulary_for(mixture_or_task_name)
+  cfg = build_model_config(model_config, vocab.vocab_size)
+  model = Decoder(cfg)
+  mesh = partitioning.make_mesh(num_devices)
+  if batch_size % mesh.size:
+    raise ValueError(f"batch_size {batch_size} must be divisible by the {mesh.size} "
+                     "devices of the data mesh (set train.num_devices)")
+  batch_sh = partitioning.batch_sharding(mesh)
+  to_device = lambda b: jax.tree.map(
+      lambda a: jax.make_array_from_process_local_data(batch_sh, a), b)
+  rng = jax.random.PRNGKey(seed)
+  with partitioning.activate(mesh):
+    init, abstract, state_sh = init_train_state(model, optimizer, mesh, rng,
+                                                sequence_length)
+    ckpt = Checkpointer(model_dir, checkpoint_every_steps, keep_checkpoints)
+    if ckpt.latest_step() is not None:
+      state, position = ckpt.restore(
+          abstract_state=abstract_with_shardings(abstract, state_sh))
+      print_fn(f"Resumed from step {int(state.step)} in {model_dir}")
+    else:
+      state, position = init(rng), {"train_batches": 0}
+    start = int(state.step)
+    _print_model_summary(print_fn, cfg, abstract.params, mesh)
+    gin_utils.write_operative_config(model_dir)
+    train_step = jax.jit(make_train_step(model, objective, optimizer),
+                         in_shardings=(state_sh, batch_sh, partitioning.replicated(mesh)),
+                         out_shardings=(state_sh, partitioning.replicated(mesh)),
+                         donate_argnums=(0,))
+    eval_step = jax.jit(make_eval_step(model, objective))
+    run_eval = lambda params: evaluate(eval_step, params, pipeline.get_dataset(
+        mixture_or_task_name, sequence_length, batch_size, split=eval_split,
+        shuffle=False, repeat=False, num_batches=eval_batches), to_device)
+    data = pipeline.get_dataset(mixture_or_task_name, sequence_length, batch_size,
+                                seed=seed, skip_batches=position["train_batches"])
+    logger = MetricsLogger(model_dir, is_chief=jax.process_index() == 0)
+    summary = _loop(state, start, train_steps, data, to_device, train_step, run_eval,
+                    ckpt, logger, print_fn, rng, batch_size * sequence_length,
+                    eval_every_steps, log_every_steps)
+    ckpt.close()
+    logger.close()
+  return summary
+
+
+def _loop(state, start, train_steps, data, to_device, train_step, run_eval, ckpt,
+          logger, print_fn, rng, tokens_per_batch, eval_every, log_every):
+  """Runs steps start..train_steps with logging, eval and checkpoints; returns summary."""
+  summary: Dict[str, Any] = {"start_step": start}
+
+  def do_eval(step):
+    metrics = run_eval(state.params)
+    logger.write(step, {f"eval/{k}": v for k, v in metrics.items()})
+    summary.setdefault("first_eval_loss", metrics["ce_loss"])
+    summary["last_eval_loss"] = metrics["ce_loss"]
+    print_fn(f"eval @ step {step}: ce_loss {metrics['ce_loss']:.4f} "
+             f"accuracy {metrics['accuracy']:.3f} "
+             f"drop_fraction {metrics.get('moe/drop_fraction', 0.0):.3f}")
+
+  if start == 0 or start >= train_steps:
+    do_eval(start)
+  progress = ProgressPrinter(train_steps, start, print_fn=print_fn)
+  history, window_start, steady = [], time.perf_counter(), []
+  for step in range(start + 1, train_steps + 1):
+    state, metrics = train_step(state, to_device(next(data)), rng)
+    history.append(metrics)
+    if step % log_every == 0 or step == train_steps:
+      scalars = _mean_metrics(history)
+      elapsed = time.perf_counter() - window_start
+      tokens_per_sec = len(history) * tokens_per_batch / elapsed
+      if step - len(history) > start:  # exclude the window that compiled
+        steady.append(tokens_per_sec)
+      scalars = {f"train/{k}": v for k, v in scalars.items()}
+      scalars["train/tokens_per_sec"] = tokens_per_sec
+      logger.write(step, scalars)
+      progress.update(step, scalars["train/loss"], tokens_per_sec)
+      summary["last_train_loss"] = scalars["train/ce_loss"]
+      history, window_start = [], time.perf_counter()
+    ckpt.save(step, state, {"train_batches": step})
+    if step % eval_every == 0 or step == train_steps:
+      do_eval(step)
+      window_start = time.perf_counter()
+  final_step = int(state.step)
+  if ckpt.latest_step() != final_step:
+    ckpt.save(final_step, state, {"train_batches": final_step}, force=True)
+  summary["final_step"] = final_step
+  summary["tokens_per_sec"] = float(np.mean(steady)) if steady else float("nan")
+  return summary
+
+
+def _print_model_summary(print_fn, cfg: ModelConfig, abstract_params, mesh):
+  num = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params))
+  sparse = sum(cfg.sparse_layers())
+  print_fn(f"Model: {cfg.num_layers} layers ({sparse} MoE, {cfg.moe.num_experts} "
+           f"experts, top-{cfg.moe.top_k}), d_model {cfg.d_model}, vocab "
+           f"{cfg.vocab_size}: {num / 1e6:.1f}M parameters; mesh {dict(mesh.shape)}")

@@ -1,0 +1,83 @@
+"""Packaging for openmoe_jax.
+
+Two top-level folders of the repository are installed inside the package:
+
+- ``tasks/`` (seqio Task/Mixture registrations) becomes ``openmoe_jax.tasks``;
+  there is never a bare top-level ``tasks`` package.
+- ``gin/`` (models/, objectives/, runs/, experiments/) becomes the data folder
+  ``openmoe_jax/gin_configs``; ``openmoe_jax.gin_utils`` puts it on the gin search path.
+"""
+import os
+
+import setuptools
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _version():
+  """Returns __version__ read from openmoe_jax/__init__.py without importing it."""
+  with open(os.path.join(HERE, "openmoe_jax", "__init__.py")) as f:
+    for line in f:
+      if line.startswith("__version__"):
+        return line.split("=")[1].strip().strip("\"'")
+  raise RuntimeError("__version__ not found in openmoe_jax/__init__.py")
+
+
+def _packages(where, installed_as):
+  """Returns `installed_as` plus a dotted name for each sub-folder of `where` ([] if
+  `where` does not exist).
+
+  Namespace discovery (folders without __init__.py count too) so that a wheel holds
+  exactly what a source checkout can import.
+  """
+  if not os.path.isdir(os.path.join(HERE, where)):
+    return []
+  found = setuptools.find_namespace_packages(
+      where=os.path.join(HERE, where), exclude=["*__pycache__*"])
+  return [installed_as] + [f"{installed_as}.{p}" for p in found]
+
+
+# Pinned at the versions the project is developed and tested with.
+INSTALL_REQUIRES = [
+    "jax==0.10.2",
+    "jaxlib==0.10.2",
+    "flax==0.12.8",
+    "optax==0.2.8",
+    "orbax-checkpoint==0.12.8",
+    "seqio==0.0.20",
+    "tensorflow==2.21.0",
+    "tensorflow-text==2.21.1",
+    "tensorboard==2.21.0",
+    "sentencepiece==0.2.3",
+    "gin-config==0.5.0",
+    "clu==0.0.12",
+    "numpy==2.4.6",
+]
+
+setuptools.setup(
+    name="openmoe_jax",
+    version=_version(),
+    description="Sparse Mixture-of-Experts language models in JAX/Flax (OpenMoE recipes).",
+    long_description=open(os.path.join(HERE, "README.md")).read()
+    if os.path.exists(os.path.join(HERE, "README.md")) else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=(
+        _packages("openmoe_jax", "openmoe_jax")
+        + _packages("tasks", "openmoe_jax.tasks")
+        + _packages("gin", "openmoe_jax.gin_configs")  # data only: *.gin files
+    ),
+    package_dir={
+        "openmoe_jax.tasks": "tasks",
+        "openmoe_jax.gin_configs": "gin",
+    },
+    package_data={"openmoe_jax.gin_configs": ["*.gin", "**/*.gin"]},
+    install_requires=INSTALL_REQUIRES,
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout"],
+        "tpu": ["jax[tpu]==0.10.2"],
+    },
+    entry_points={
+        "console_scripts": ["openmoe-train=openmoe_jax.train:main"],
+    },
+)

@@ -1,0 +1,170 @@
+"""Tests for openmoe_jax.gin_utils: flags, search paths, errors, operative config."""
+import os
+import textwrap
+
+import gin
+import pytest
+
+from openmoe_jax import gin_utils
+
+
+@gin.configurable
+def toy_train(model_dir=gin.REQUIRED, steps=10, optimizer=None):
+  return model_dir, steps, optimizer
+
+
+@gin.configurable
+def toy_optimizer(learning_rate=0.1):
+  return ("toy_optimizer", learning_rate)
+
+
+def _write(path, text):
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(textwrap.dedent(text))
+
+
+@pytest.fixture
+def library_gin_dir(tmp_path, monkeypatch):
+  """A stand-in for the installed gin folder, with an include chain."""
+  root = tmp_path / "library_gin"
+  _write(root / "models" / "tiny.gin", """
+      toy_optimizer.learning_rate = 0.5
+      """)
+  _write(root / "runs" / "quickstart.gin", """
+      include 'models/tiny.gin'
+      MODEL_DIR = '/default/dir'
+      toy_train.model_dir = %MODEL_DIR
+      toy_train.steps = 100
+      toy_train.optimizer = @toy_optimizer()
+      """)
+  monkeypatch.setattr(gin_utils, "gin_config_dir", lambda: str(root))
+  elsewhere = tmp_path / "elsewhere"
+  elsewhere.mkdir()
+  monkeypatch.chdir(elsewhere)
+  return root
+
+
+def test_parse_flags_splits_gin_and_other_args():
+  files, bindings, paths, other = gin_utils.parse_flags([
+      "prog", "--gin_file=runs/quickstart.gin", "--gin_file", "extra.gin",
+      "--gin.toy_train.steps=7", "--gin.MODEL_DIR=\"/tmp/x\"", "--gin.MODEL_DIR=/tmp/y",
+      "--gin.MIXTURE_OR_TASK_NAME=c4_tiny", "--gin.toy_train.optimizer=@toy_optimizer()",
+      "--gin_search_paths=a,b", "--gin_bindings=toy_optimizer.learning_rate=1e-3",
+      "--verbose"])
+  assert files == ["runs/quickstart.gin", "extra.gin"]
+  assert bindings == [
+      "toy_train.steps = 7", 'MODEL_DIR = "/tmp/x"', "MODEL_DIR = '/tmp/y'",
+      "MIXTURE_OR_TASK_NAME = 'c4_tiny'", "toy_train.optimizer = @toy_optimizer()",
+      "toy_optimizer.learning_rate=1e-3"]
+  assert paths == ["a", "b"]
+  assert other == ["prog", "--verbose"]
+  with pytest.raises(gin_utils.GinConfigError):
+    gin_utils.parse_flags(["--gin.steps"])
+
+
+@pytest.mark.parametrize("value,expected", [
+    ("100", "100"), ("1e-3", "1e-3"), ("True", "True"), ("None", "None"),
+    ("[1, 2]", "[1, 2]"), ("'x'", "'x'"), ("%MODEL_DIR", "%MODEL_DIR"),
+    ("@scope/fn()", "@scope/fn()"), ("gs://bucket/run", "'gs://bucket/run'"),
+    ("c4_tiny", "'c4_tiny'"), ("my-mixture", "'my-mixture'"), ("[1, 2", "[1, 2"),
+])
+def test_quote_if_bare(value, expected):
+  assert gin_utils.quote_if_bare(value) == expected
+
+
+def test_parse_gin_from_any_directory_with_includes(library_gin_dir):
+  _, bindings, _, _ = gin_utils.parse_flags(
+      ["--gin.MODEL_DIR=/tmp/run", "--gin.toy_train.steps=3"])
+  gin_utils.parse_gin(["runs/quickstart.gin"], bindings)
+  assert toy_train() == ("/tmp/run", 3, ("toy_optimizer", 0.5))
+
+
+def test_cwd_and_extra_search_paths_come_first(library_gin_dir, tmp_path):
+  _write(tmp_path / "elsewhere" / "models" / "tiny.gin", "toy_optimizer.learning_rate = 2.0\n")
+  _write(tmp_path / "mine" / "mine.gin", "toy_train.model_dir = 'mine'\n")
+  gin_utils.parse_gin(["runs/quickstart.gin", "mine.gin"],
+                      gin_search_paths=[str(tmp_path / "mine")])
+  assert toy_train() == ("mine", 100, ("toy_optimizer", 2.0))
+
+
+def test_missing_gin_file_lists_searched_paths(library_gin_dir):
+  with pytest.raises(gin_utils.GinConfigError) as err:
+    gin_utils.parse_gin(["runs/nope.gin"])
+  assert "runs/nope.gin" in str(err.value)
+  assert str(library_gin_dir) in str(err.value) and os.getcwd() in str(err.value)
+
+
+def test_missing_include_names_the_file(library_gin_dir):
+  _write(library_gin_dir / "runs" / "broken.gin", "include 'models/absent.gin'\n")
+  with pytest.raises(gin_utils.GinConfigError, match="models/absent.gin"):
+    gin_utils.parse_gin(["runs/broken.gin"])
+
+
+@pytest.mark.parametrize("binding,message", [
+    ("toy_trian.steps = 3", "toy_trian"),
+    ("toy_train.stpes = 3", "stpes"),
+    ("toy_train.steps = [1", "toy_train.steps"),
+])
+def test_bad_binding_fails_at_parse_time_naming_it(binding, message):
+  with pytest.raises(gin_utils.GinConfigError, match=message) as err:
+    gin_utils.parse_gin([], [binding])
+  assert binding in str(err.value)
+
+
+def test_unknown_binding_in_file_names_file(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  _write(tmp_path / "bad.gin", "toy_train.nonexistent = 1\n")
+  with pytest.raises(gin_utils.GinConfigError, match=r"bad\.gin.*nonexistent"):
+    gin_utils.parse_gin(["bad.gin"])
+
+
+def test_check_required_names_unbound_parameters():
+  gin_utils.parse_gin([], ["toy_train.steps = 3"], finalize=False)
+  assert gin_utils.missing_required(toy_train) == ["toy_train.model_dir"]
+  with pytest.raises(gin_utils.GinConfigError, match="toy_train.model_dir"):
+    gin_utils.check_required(toy_train, "toy_optimizer")
+  gin.parse_config("toy_train.model_dir = %gin.REQUIRED")
+  assert gin_utils.missing_required("toy_train") == ["toy_train.model_dir"]
+  gin.parse_config("toy_train.model_dir = '/tmp/m'")
+  gin_utils.check_required(toy_train)
+
+
+def test_write_operative_config(tmp_path):
+  gin_utils.parse_gin([], ["toy_train.model_dir = 'x'", "toy_train.steps = 5"])
+  toy_train()
+  path = gin_utils.write_operative_config(str(tmp_path / "model"))
+  assert path == str(tmp_path / "model" / "config.gin")
+  text = (tmp_path / "model" / "config.gin").read_text()
+  assert "toy_train.steps = 5" in text and "toy_train.model_dir = 'x'" in text
+
+
+def test_configure_from_argv(library_gin_dir):
+  other = gin_utils.configure_from_argv(
+      ["--gin_file=runs/quickstart.gin", "--gin.toy_train.steps=1", "rest"],
+      modules=["openmoe_jax.optim"])
+  assert other == ["rest"]
+  assert toy_train()[1] == 1
+
+
+def test_import_configurables_propagates_import_errors():
+  gin_utils.import_configurables(["openmoe_jax.optim", "openmoe_jax.checkpoints"])
+  assert gin.get_configurable("adafactor_openmoe")
+  with pytest.raises(ImportError):
+    gin_utils.import_configurables(["openmoe_jax.does_not_exist"])
+
+
+def test_import_configurables_default_list():
+  gin_utils.import_configurables()
+  for name in ("train", "ModelConfig", "MoeConfig", "CausalLm", "get_vocabulary"):
+    assert gin.get_configurable(name)
+
+
+def test_gin_config_dir_is_library_folder():
+  found = gin_utils.gin_config_dir()
+  package_dir = os.path.dirname(os.path.abspath(gin_utils.__file__))
+  if found is None:
+    assert not os.path.isdir(os.path.join(os.path.dirname(package_dir), "gin"))
+  else:
+    assert found in (os.path.join(package_dir, "gin_configs"),
+                     os.path.join(os.path.dirname(package_dir), "gin"))
+    assert not os.path.isfile(os.path.join(found, "config.py"))  # not the gin library

@@ -1,0 +1,78 @@
+"""Tests for openmoe_jax.metrics: JSON lines, TensorBoard events, progress lines."""
+import glob
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from openmoe_jax import metrics
+
+
+def _tensorboard_scalars(model_dir):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  found = {}
+  for path in glob.glob(os.path.join(model_dir, "events.out.tfevents.*")):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      for value in event.summary.value:
+        number = value.simple_value if value.HasField("simple_value") else float(
+            tf.make_ndarray(value.tensor))
+        found[(value.tag, event.step)] = number
+  return found
+
+
+def test_jsonl_and_tensorboard(tmp_path):
+  model_dir = str(tmp_path / "run")
+  with metrics.MetricsLogger(model_dir) as logger:
+    row = logger.write(10, {"train/loss": jnp.float32(2.5),
+                            "train/tokens_per_sec": np.float64(1234.5),
+                            "moe/drop_fraction": 0.125})
+    logger.write(20, {"train/loss": jnp.asarray([1.5]), "eval/loss": 1.75})
+  assert row == {"step": 10, "train/loss": 2.5, "train/tokens_per_sec": 1234.5,
+                 "moe/drop_fraction": 0.125}
+
+  lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+  assert [json.loads(line) for line in lines] == [
+      row, {"step": 20, "train/loss": 1.5, "eval/loss": 1.75}]
+
+  scalars = _tensorboard_scalars(model_dir)
+  assert scalars[("train/loss", 10)] == pytest.approx(2.5)
+  assert scalars[("train/loss", 20)] == pytest.approx(1.5)
+  assert scalars[("moe/drop_fraction", 10)] == pytest.approx(0.125)
+
+
+def test_jsonl_appends_across_loggers_and_rejects_arrays(tmp_path):
+  for step in (1, 2):
+    with metrics.MetricsLogger(str(tmp_path)) as logger:
+      logger.write(step, {"train/loss": float(step)})
+      with pytest.raises(ValueError):
+        logger.write(step, {"train/loss": np.ones(3)})
+  steps = [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert steps == [1, 2]
+
+
+def test_non_chief_writes_no_files(tmp_path):
+  with metrics.MetricsLogger(str(tmp_path / "worker"), is_chief=False) as logger:
+    logger.write(1, {"train/loss": 1.0})
+  assert not (tmp_path / "worker").exists()
+
+
+def test_format_hms():
+  assert metrics.format_hms(0) == "0:00:00"
+  assert metrics.format_hms(3725.4) == "1:02:05"
+  assert metrics.format_hms(27 * 3600 + 189) == "27:03:09"
+  assert metrics.format_hms(float("nan")) == "?:??:??"
+
+
+def test_progress_printer_line_and_eta():
+  now = [100.0]
+  printed = []
+  printer = metrics.ProgressPrinter(total_steps=1000, start_step=100,
+                                    print_fn=printed.append, clock=lambda: now[0])
+  now[0] += 90.0  # 0.9 s/step since start_step -> 720 s for the remaining 800.
+  line = printer.update(200, loss=jnp.float32(3.14159), tokens_per_sec=12345.6)
+  assert printed == [line]
+  assert line == ("step  200/1000 | loss 3.1416 | 12,346 tok/s | "
+                  "elapsed 0:01:30 | eta 0:12:00")
+  assert printer.line(100).endswith("eta ?:??:??")

@@ -1,0 +1,92 @@
+"""Tests for openmoe_jax.optim: schedules numerically, optimizers end to end."""
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from openmoe_jax import optim
+
+
+def test_rsqrt_schedule_matches_t5x_rsqrt_decay():
+  schedule = optim.rsqrt_schedule(learning_rate=0.01, warmup_steps=10000)
+  for step in (0, 1, 5000, 10000):
+    assert float(schedule(step)) == pytest.approx(0.01)
+  # t5x 'constant * rsqrt_decay' with base 1.0: 1 / sqrt(max(step, warmup)).
+  for step in (10001, 40000, 250000, 500000):
+    assert float(schedule(step)) == pytest.approx(1 / np.sqrt(step), rel=1e-6)
+  assert float(schedule(40000)) == pytest.approx(0.005)
+  with pytest.raises(ValueError):
+    optim.rsqrt_schedule(0.01, 0)
+
+
+def test_warmup_cosine_schedule_endpoints():
+  schedule = optim.warmup_cosine_schedule(peak_lr=1e-3, warmup_steps=10, total_steps=110,
+                                          end_lr_ratio=0.1)
+  assert float(schedule(0)) == 0.0
+  assert float(schedule(5)) == pytest.approx(5e-4)
+  assert float(schedule(10)) == pytest.approx(1e-3)
+  assert float(schedule(60)) == pytest.approx(1e-4 + 0.5 * (1e-3 - 1e-4), rel=1e-5)
+  assert float(schedule(110)) == pytest.approx(1e-4)
+  assert float(schedule(1000)) == pytest.approx(1e-4)
+
+
+def _quadratic_run(tx, steps=30):
+  params = {"w": jnp.full((256, 160), 2.0), "b": jnp.full((160,), -1.0)}
+  loss = lambda p: sum(jnp.sum(x ** 2) for x in jax.tree.leaves(p))
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state):
+    grads = jax.grad(loss)(params)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  first = float(loss(params))
+  lrs = []
+  for _ in range(steps):
+    params, state = step(params, state)
+    lrs.append(float(optim.learning_rate(state)))
+  return first, float(loss(params)), lrs, state
+
+
+def test_adafactor_factors_and_decreases_loss():
+  tx = optim.adafactor_openmoe(learning_rate=0.01, warmup_steps=10)
+  first, last, lrs, state = _quadratic_run(tx)
+  assert last < first
+  assert lrs[0] == pytest.approx(0.01)
+  assert lrs[-1] == pytest.approx(0.01 * np.sqrt(10 / 29), rel=1e-5)  # last update: count 29
+  factored = [s for s in jax.tree.leaves(state, is_leaf=lambda x: hasattr(x, "v_row"))
+              if hasattr(s, "v_row")][0]
+  # Second moments of the (256, 160) matrix are stored as a row and a column vector.
+  assert {factored.v_row["w"].shape, factored.v_col["w"].shape} == {(256,), (160,)}
+  assert factored.v["w"].shape == (1,)
+
+
+def test_adamw_warmup_cosine_decreases_loss_and_reports_lr():
+  tx = optim.adamw_warmup_cosine(peak_lr=1e-1, warmup_steps=5, total_steps=30)
+  first, last, lrs, _ = _quadratic_run(tx)
+  assert last < first
+  assert lrs[0] == 0.0 and lrs[5] == pytest.approx(0.1)
+  assert lrs[-1] < lrs[10]
+
+
+def test_gin_selects_optimizer():
+  gin.parse_config("""
+      adamw_warmup_cosine.peak_lr = 0.5
+      adamw_warmup_cosine.total_steps = 100
+      adamw_warmup_cosine.warmup_steps = 10
+  """)
+  tx = gin.get_configurable("adamw_warmup_cosine")()
+  state = tx.init({"w": jnp.ones((2, 2))})
+  assert isinstance(tx, optax.GradientTransformation)
+  assert float(state.hyperparams["learning_rate"]) == 0.0
+  gin.clear_config()
+  with pytest.raises(RuntimeError, match="total_steps"):
+    optim.adamw_warmup_cosine()
+
+
+def test_learning_rate_without_injection_raises():
+  with pytest.raises(ValueError):
+    optim.learning_rate(optax.sgd(0.1).init({"w": jnp.ones(2)}))

@@ -1,0 +1,122 @@
+"""Tests for openmoe_jax.partitioning on 8 emulated CPU devices (see conftest)."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from openmoe_jax import partitioning
+
+
+class _ToyMlp(nn.Module):
+  """Uses every kind of annotation the real model uses."""
+
+  @nn.compact
+  def __call__(self, x_btd):
+    x_btd = nn.with_logical_constraint(x_btd, ("batch", "length", "act_embed"))
+    w_df = self.param("wi", nn.with_logical_partitioning(
+        nn.initializers.normal(0.02), ("embed", "mlp")), (x_btd.shape[-1], 32))
+    w_fd = self.param("wo", nn.with_logical_partitioning(
+        nn.initializers.normal(0.02), ("mlp", "embed")), (32, x_btd.shape[-1]))
+    h_btf = nn.with_logical_constraint(x_btd @ w_df, ("batch", "length", "act_mlp"))
+    return nn.with_logical_constraint(h_btf @ w_fd, ("batch", "length", "act_embed"))
+
+
+def test_emulated_devices_present():
+  assert jax.device_count() == 8
+
+
+def test_make_mesh_defaults_to_all_devices():
+  mesh = partitioning.make_mesh()
+  assert mesh.axis_names == ("data",)
+  assert mesh.devices.size == 8
+  assert partitioning.make_mesh(num_devices=2).devices.size == 2
+  with pytest.raises(ValueError):
+    partitioning.make_mesh(num_devices=9)
+
+
+def test_rules_on_data_mesh_shard_only_batch():
+  rules = dict(partitioning.logical_axis_rules())
+  expected = {"vocab", "embed", "heads", "kv", "mlp", "expert", "expert_mlp", "layers",
+              "unmodeled", "batch", "length", "act_embed", "act_heads", "act_kv",
+              "act_mlp", "expert_group", "capacity", "act_expert"}
+  assert set(rules) == expected
+  assert rules.pop("batch") == "data"
+  assert all(v is None for v in rules.values())
+
+
+def test_rules_grow_with_mesh_axes():
+  rules = dict(partitioning.logical_axis_rules(("data", "expert", "tensor")))
+  assert rules["expert"] == "expert"
+  assert rules["act_expert"] == "expert"
+  assert rules["mlp"] == "tensor"
+  assert rules["batch"] == ("data", "expert")
+  assert rules["embed"] is None
+  with pytest.raises(ValueError, match="unknown mesh axes"):
+    partitioning.logical_axis_rules(("data", "model"))
+
+
+def test_sharded_init_and_constraints():
+  mesh = partitioning.make_mesh()
+  model = _ToyMlp()
+  x_btd = jnp.ones((16, 4, 8))
+  abstract = jax.eval_shape(model.init, jax.random.key(0), x_btd)
+  shardings = partitioning.param_shardings(abstract, mesh)
+  assert shardings["params"]["wi"] == NamedSharding(mesh, P(None, None))
+
+  with partitioning.activate(mesh):
+    params = jax.jit(model.init, out_shardings=shardings)(jax.random.key(0), x_btd)
+    x_sharded = jax.device_put(x_btd, partitioning.batch_sharding(mesh))
+    apply = jax.jit(model.apply)
+    y_btd = apply(params, x_sharded)
+    hlo = apply.lower(params, x_sharded).as_text()
+
+  assert isinstance(params["params"]["wi"], nn.LogicallyPartitioned)
+  assert params["params"]["wi"].value.sharding.is_fully_replicated
+  assert y_btd.sharding.spec == P("data")
+  assert "sharding_constraint" in hlo and "{\"data\"}" in hlo
+  expected = model.apply(jax.device_get(params), x_btd)
+  np.testing.assert_allclose(np.asarray(y_btd), np.asarray(expected), rtol=1e-5, atol=1e-6)
+
+
+def test_unknown_logical_name_is_an_error():
+  boxed = {"w": nn.LogicallyPartitioned(jax.ShapeDtypeStruct((4, 4), jnp.float32),
+                                        ("embed", "mlpp"))}
+  with pytest.raises(ValueError, match="'mlpp'"):
+    partitioning.param_shardings(boxed, partitioning.make_mesh())
+
+
+def test_batch_sharding_and_replicated():
+  mesh = partitioning.make_mesh()
+  assert partitioning.batch_sharding(mesh).spec == P("data")
+  assert partitioning.replicated(mesh).spec == P()
+  batch = jax.device_put(np.zeros((8, 3), np.int32), partitioning.batch_sharding(mesh))
+  assert len(batch.addressable_shards) == 8
+  assert batch.addressable_shards[0].data.shape == (1, 3)
+
+
+def test_optimizer_state_shardings_follow_params():
+  import optax  # pylint: disable=g-import-not-at-top
+  mesh = partitioning.make_mesh()
+  boxed = {"w": nn.LogicallyPartitioned(jax.ShapeDtypeStruct((256, 512), jnp.float32),
+                                        ("embed", "mlp"))}
+  for tx in (optax.adafactor(1e-2), optax.adamw(1e-3)):
+    abstract_state = jax.eval_shape(tx.init, boxed)
+    shardings = partitioning.param_shardings(abstract_state, mesh)
+    flat_state = jax.tree.leaves(nn.unbox(abstract_state))
+    flat_shardings = jax.tree.leaves(shardings)
+    assert len(flat_state) == len(flat_shardings)
+    for leaf, sharding in zip(flat_state, flat_shardings):
+      assert len(sharding.spec) <= leaf.ndim
+
+
+def test_indivisible_dims_stay_whole():
+  mesh = partitioning.make_mesh()
+  boxed = {"ok": nn.LogicallyPartitioned(jax.ShapeDtypeStruct((16, 3), jnp.float32),
+                                         ("batch", "unmodeled")),
+           "odd": nn.LogicallyPartitioned(jax.ShapeDtypeStruct((3, 2), jnp.float32),
+                                          ("batch", "unmodeled"))}
+  shardings = partitioning.param_shardings(boxed, mesh)
+  assert shardings["ok"].spec == P("data", None)
+  assert shardings["odd"].spec == P(None, None)

@@ -1,0 +1,105 @@
+"""Router semantics on hand-computed cases (ST-MoE / flaxformer priority)."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from openmoe_jax.moe import losses
+from openmoe_jax.moe.dispatch import combine_weights, dispatch_mask
+from openmoe_jax.moe.routers import expert_capacity, routing_stats, top_k_capacity_routing
+
+# 4 tokens, 3 experts. Choices (1st, 2nd): t0 (e0, e1), t1 (e0, e1), t2 (e1, e0),
+# t3 (e0, e2).
+PROBS = np.array([[[0.6, 0.3, 0.1],
+                   [0.5, 0.4, 0.1],
+                   [0.2, 0.7, 0.1],
+                   [0.7, 0.1, 0.2]]], np.float32)
+
+
+@pytest.mark.parametrize("tokens,experts,factor,minimum,expected", [
+    (4096, 16, 1.25, 4, 320),   # OpenMoE-Base training
+    (4096, 16, 2.0, 4, 512),    # OpenMoE-Base evaluation
+    (64, 16, 1.25, 4, 5),       # round(5.0)
+    (16, 16, 1.25, 4, 4),       # round(1.25) = 1 < min_capacity
+    (100, 8, 1.0, 0, 12),       # round(12.5) = 12 (banker's rounding, like int(round()))
+])
+def test_capacity_formula(tokens, experts, factor, minimum, expected):
+  assert expert_capacity(tokens, experts, factor, minimum) == expected
+
+
+def test_first_choices_before_second_then_sequence_order():
+  routing = top_k_capacity_routing(jnp.asarray(PROBS), top_k=2, capacity=2)
+  np.testing.assert_array_equal(routing.expert_index[0], [[0, 1], [0, 1], [1, 0], [0, 2]])
+  # Rank 1 in sequence order: t0->e0#0, t1->e0#1, t2->e1#0, t3->e0#2 (full).
+  # Rank 2: t0->e1#1 (after t2's 1st choice), t1->e1#2 (full), t2->e0#3 (full),
+  # t3->e2#0.
+  np.testing.assert_array_equal(routing.slot[0], [[0, 1], [1, 2], [0, 3], [2, 0]])
+  np.testing.assert_array_equal(routing.kept[0],
+                                [[True, True], [True, False], [True, False], [False, True]])
+
+
+def test_combine_weights_are_router_probs_of_kept_choices():
+  routing = top_k_capacity_routing(jnp.asarray(PROBS), top_k=2, capacity=2)
+  np.testing.assert_allclose(routing.gates[0],
+                             [[0.6, 0.3], [0.5, 0.0], [0.7, 0.0], [0.0, 0.2]], rtol=1e-6)
+  combine = np.asarray(combine_weights(routing, 3))[0]
+  dispatch = np.asarray(dispatch_mask(routing, 3))[0]
+  assert combine.shape == (4, 3, 2)
+  assert combine[0, 0, 0] == pytest.approx(0.6) and combine[0, 1, 1] == pytest.approx(0.3)
+  assert combine[3, 2, 0] == pytest.approx(0.2)
+  assert dispatch.sum() == 5  # kept choices only
+  assert np.all(dispatch.sum(axis=0) <= 1)  # one token per expert slot
+  np.testing.assert_allclose(combine, dispatch * combine)
+
+
+def test_renormalised_gates_sum_to_one_before_dropping():
+  routing = top_k_capacity_routing(jnp.asarray(PROBS), top_k=2, capacity=8,
+                                   renormalize=True)
+  np.testing.assert_allclose(routing.gates[0].sum(-1), 1.0, rtol=1e-6)
+  np.testing.assert_allclose(routing.gates[0, 0], [0.6 / 0.9, 0.3 / 0.9], rtol=1e-6)
+
+
+def test_routing_stats_drop_fraction_and_load():
+  routing = top_k_capacity_routing(jnp.asarray(PROBS), top_k=2, capacity=2)
+  stats = routing_stats(routing, jnp.asarray(PROBS))
+  assert float(stats["drop_fraction"]) == pytest.approx(3 / 8)
+  np.testing.assert_allclose(stats["expert_load"], [4 / 8, 3 / 8, 1 / 8])
+  entropy = -np.sum(PROBS * np.log(PROBS), -1).mean()
+  assert float(stats["router_entropy"]) == pytest.approx(entropy, rel=1e-5)
+
+
+def test_groups_route_independently():
+  probs = jnp.concatenate([jnp.asarray(PROBS)] * 3)
+  routing = top_k_capacity_routing(probs, top_k=2, capacity=2)
+  for g in range(3):
+    np.testing.assert_array_equal(routing.slot[g], [[0, 1], [1, 2], [0, 3], [2, 0]])
+
+
+def test_load_balancing_loss_hand_computed():
+  # Both tokens choose e0 (top-1): f = [1, 0]; p = [0.7, 0.3]; E^2 * mean = 4 * 0.35.
+  probs = jnp.asarray([[[0.8, 0.2], [0.6, 0.4]]])
+  index = jnp.asarray([[[0], [0]]])
+  assert float(losses.load_balancing_loss(probs, index)) == pytest.approx(1.4)
+
+
+def test_load_balancing_loss_minimal_under_uniform_routing():
+  num_experts, k, s = 8, 2, 64
+  uniform = jnp.full((1, s, num_experts), 1.0 / num_experts)
+  balanced = (jnp.arange(s * k).reshape(1, s, k)) % num_experts
+  uniform_loss = float(losses.load_balancing_loss(uniform, balanced))
+  assert uniform_loss == pytest.approx(k)
+  rng = np.random.default_rng(0)
+  for _ in range(20):
+    logits = rng.normal(size=(1, s, num_experts)) * 3
+    probs = jax.nn.softmax(jnp.asarray(logits), -1)
+    _, index = jax.lax.top_k(probs, k)
+    assert float(losses.load_balancing_loss(probs, index)) >= uniform_loss - 1e-6
+
+
+def test_router_z_loss_hand_computed():
+  logits = jnp.asarray([[[0.0, 0.0], [1.0, 2.0]]])
+  lse = [math.log(2.0), math.log(math.e + math.e ** 2)]
+  expected = (lse[0] ** 2 + lse[1] ** 2) / 2
+  assert float(losses.router_z_loss(logits)) == pytest.approx(expected, rel=1e-6)
