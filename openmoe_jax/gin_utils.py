@@ -219,7 +219,11 @@ def parse_gin(gin_files: Sequence[str] = (), gin_bindings: Sequence[str] = (),
     except _PARSE_ERRORS as e:
       raise GinConfigError(f"gin binding {binding!r}: {e}") from e
   if finalize:
-    gin.finalize()
+    try:
+      gin.finalize()
+    except ValueError as e:  # a %gin.REQUIRED macro or value left unset
+      raise GinConfigError(
+          f"{e} (bind it in a gin file or with --gin.NAME=VALUE)") from e
 
 
 def missing_required(configurable, scope: str | None = None) -> list[str]:

@@ -222,7 +222,9 @@ def _loop(state, start, train_steps, data, to_device, train_step, run_eval, ckpt
       tokens_per_sec = len(history) * tokens_per_batch / elapsed
       if step - len(history) > start:  # exclude the window that compiled
         steady.append(tokens_per_sec)
-      scalars = {f"train/{k}": v for k, v in scalars.items()}
+      # Routing statistics of training batches go under "moe/", as TensorBoard groups.
+      scalars = {k if k.startswith("moe/") else f"train/{k}": v
+                 for k, v in scalars.items()}
       scalars["train/tokens_per_sec"] = tokens_per_sec
       logger.write(step, scalars)
       progress.update(step, scalars["train/loss"], tokens_per_sec)

@@ -73,8 +73,9 @@ def test_cli_end_to_end_writes_checkpoints_metrics_and_events(tmp_path):
   assert steps == ["2", "4"]
   rows = [json.loads(l) for l in open(model_dir / "metrics.jsonl")]
   assert any("eval/ce_loss" in r for r in rows)
-  assert any("train/tokens_per_sec" in r and "moe/drop_fraction" not in r for r in rows)
-  assert any("train/moe/drop_fraction" in r for r in rows)
+  assert any("train/tokens_per_sec" in r and "moe/drop_fraction" in r for r in rows)
+  assert any("moe/layer_0/expert_load_cv" in r for r in rows)
+  assert any("eval/moe/drop_fraction" in r for r in rows)
   assert glob.glob(str(model_dir / "events.out.tfevents.*"))
   assert os.path.exists(model_dir / "config.gin")
 
@@ -85,7 +86,7 @@ def test_unknown_binding_fails_naming_it():
 
 
 def test_missing_required_value_fails_naming_it():
-  with pytest.raises(ValueError, match="MODEL_DIR"):
+  with pytest.raises(gin_utils.GinConfigError, match="MODEL_DIR"):
     train_cli.main(["--gin_file=runs/train_base.gin"])
   gin.clear_config()
   with pytest.raises(gin_utils.GinConfigError, match="train.optimizer"):

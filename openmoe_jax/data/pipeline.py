@@ -7,12 +7,7 @@ after n batches.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
-import pathlib
-import sys
-from types import ModuleType
 from typing import Iterator, Optional
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -37,32 +32,8 @@ def _hide_accelerators_from_tf() -> None:
 _hide_accelerators_from_tf()
 
 
-def task_registrations() -> ModuleType:
-  """Returns the `openmoe_jax.tasks` module (registers its gin configurables).
-
-  Installed, `tasks/` is the package `openmoe_jax.tasks`; from a source
-  checkout on PYTHONPATH it is loaded from `<repo>/tasks` under that name.
-  """
-  try:
-    return importlib.import_module("openmoe_jax.tasks")
-  except ModuleNotFoundError as e:
-    if e.name != "openmoe_jax.tasks":
-      raise
-  init = pathlib.Path(__file__).resolve().parents[2] / "tasks" / "__init__.py"
-  spec = importlib.util.spec_from_file_location(
-      "openmoe_jax.tasks", init, submodule_search_locations=[str(init.parent)])
-  module = importlib.util.module_from_spec(spec)
-  sys.modules["openmoe_jax.tasks"] = module
-  try:
-    spec.loader.exec_module(module)
-  except BaseException:
-    del sys.modules["openmoe_jax.tasks"]
-    raise
-  setattr(sys.modules["openmoe_jax"], "tasks", module)
-  return module
-
-
-tasks = task_registrations()
+# The package __init__ maps <repo>/tasks here in a source checkout too.
+from openmoe_jax import tasks  # pylint: disable=g-import-not-at-top
 
 
 def vocabulary_for(mixture_or_task_name: str) -> seqio.Vocabulary:
