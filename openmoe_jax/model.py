@@ -107,7 +107,7 @@ class Decoder(nn.Module):
     name = f"layers_{index}"
     if cfg.scan_layers:
       scanned = nn.scan(
-          self._unit_cls(True), variable_axes={"params": 0},
+          self._unit_cls(True), variable_axes={"params": 0, "intermediates": 0},
           split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast),
           length=repeats, metadata_params={nn.PARTITION_NAME: "layers"})
       return scanned(cfg, unit, train, name=name)(x_btd, positions_bt, mask_b1tt)

@@ -187,59 +187,74 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
     data = pipeline.get_dataset(mixture_or_task_name, sequence_length, batch_size,
                                 seed=seed, skip_batches=position["train_batches"])
     logger = MetricsLogger(model_dir, is_chief=jax.process_index() == 0)
-    summary = _loop(state, start, train_steps, data, to_device, train_step, run_eval,
-                    ckpt, logger, print_fn, rng, batch_size * sequence_length,
-                    eval_every_steps, log_every_steps)
+    loop = _Loop(train_step, run_eval, to_device, ckpt, logger, print_fn, rng,
+                 tokens_per_batch=batch_size * sequence_length)
+    summary = loop.run(state, data, train_steps, eval_every_steps, log_every_steps)
     ckpt.close()
     logger.close()
   return summary
 
 
-def _loop(state, start, train_steps, data, to_device, train_step, run_eval, ckpt,
-          logger, print_fn, rng, tokens_per_batch, eval_every, log_every):
-  """Runs steps start..train_steps with logging, eval and checkpoints; returns summary."""
-  summary: Dict[str, Any] = {"start_step": start}
+class _Loop:
+  """Runs the steps with periodic logging, evaluation and checkpoints."""
 
-  def do_eval(step):
-    metrics = run_eval(state.params)
-    logger.write(step, {f"eval/{k}": v for k, v in metrics.items()})
-    summary.setdefault("first_eval_loss", metrics["ce_loss"])
-    summary["last_eval_loss"] = metrics["ce_loss"]
-    print_fn(f"eval @ step {step}: ce_loss {metrics['ce_loss']:.4f} "
-             f"accuracy {metrics['accuracy']:.3f} "
-             f"drop_fraction {metrics.get('moe/drop_fraction', 0.0):.3f}")
+  def __init__(self, train_step, run_eval, to_device, ckpt, logger, print_fn, rng,
+               tokens_per_batch):
+    self.train_step, self.run_eval, self.to_device = train_step, run_eval, to_device
+    self.ckpt, self.logger, self.print_fn = ckpt, logger, print_fn
+    self.rng, self.tokens_per_batch = rng, tokens_per_batch
+    self.summary: Dict[str, Any] = {}
+    self.steady_tokens_per_sec = []
 
-  if start == 0 or start >= train_steps:
-    do_eval(start)
-  progress = ProgressPrinter(train_steps, start, print_fn=print_fn)
-  history, window_start, steady = [], time.perf_counter(), []
-  for step in range(start + 1, train_steps + 1):
-    state, metrics = train_step(state, to_device(next(data)), rng)
-    history.append(metrics)
-    if step % log_every == 0 or step == train_steps:
-      scalars = _mean_metrics(history)
-      elapsed = time.perf_counter() - window_start
-      tokens_per_sec = len(history) * tokens_per_batch / elapsed
-      if step - len(history) > start:  # exclude the window that compiled
-        steady.append(tokens_per_sec)
-      # Routing statistics of training batches go under "moe/", as TensorBoard groups.
-      scalars = {k if k.startswith("moe/") else f"train/{k}": v
-                 for k, v in scalars.items()}
-      scalars["train/tokens_per_sec"] = tokens_per_sec
-      logger.write(step, scalars)
-      progress.update(step, scalars["train/loss"], tokens_per_sec)
-      summary["last_train_loss"] = scalars["train/ce_loss"]
-      history, window_start = [], time.perf_counter()
-    ckpt.save(step, state, {"train_batches": step})
-    if step % eval_every == 0 or step == train_steps:
-      do_eval(step)
-      window_start = time.perf_counter()
-  final_step = int(state.step)
-  if ckpt.latest_step() != final_step:
-    ckpt.save(final_step, state, {"train_batches": final_step}, force=True)
-  summary["final_step"] = final_step
-  summary["tokens_per_sec"] = float(np.mean(steady)) if steady else float("nan")
-  return summary
+  def evaluate(self, step, params):
+    """Logs and prints validation metrics at `step`."""
+    metrics = self.run_eval(params)
+    self.logger.write(step, {f"eval/{k}": v for k, v in metrics.items()})
+    self.summary.setdefault("first_eval_loss", metrics["ce_loss"])
+    self.summary["last_eval_loss"] = metrics["ce_loss"]
+    self.print_fn(f"eval @ step {step}: ce_loss {metrics['ce_loss']:.4f} "
+                  f"accuracy {metrics['accuracy']:.3f} "
+                  f"drop_fraction {metrics.get('moe/drop_fraction', 0.0):.3f}")
+
+  def log(self, step, history, elapsed, compiled_in_window, progress):
+    """Writes the mean metrics of the steps in `history` and a progress line."""
+    tokens_per_sec = len(history) * self.tokens_per_batch / elapsed
+    if not compiled_in_window:
+      self.steady_tokens_per_sec.append(tokens_per_sec)
+    # Routing statistics of training batches go under "moe/", as TensorBoard groups.
+    scalars = {k if k.startswith("moe/") else f"train/{k}": v
+               for k, v in _mean_metrics(history).items()}
+    scalars["train/tokens_per_sec"] = tokens_per_sec
+    self.logger.write(step, scalars)
+    progress.update(step, scalars["train/loss"], tokens_per_sec)
+    self.summary["last_train_loss"] = scalars["train/ce_loss"]
+
+  def run(self, state, data, train_steps, eval_every, log_every) -> Dict[str, Any]:
+    """Trains from state.step to train_steps; returns the run summary."""
+    start = int(state.step)
+    self.summary["start_step"] = start
+    if start == 0 or start >= train_steps:
+      self.evaluate(start, state.params)
+    progress = ProgressPrinter(train_steps, start, print_fn=self.print_fn)
+    history, window_start = [], time.perf_counter()
+    for step in range(start + 1, train_steps + 1):
+      state, metrics = self.train_step(state, self.to_device(next(data)), self.rng)
+      history.append(metrics)
+      if step % log_every == 0 or step == train_steps:
+        self.log(step, history, time.perf_counter() - window_start,
+                 compiled_in_window=step - len(history) == start, progress=progress)
+        history, window_start = [], time.perf_counter()
+      self.ckpt.save(step, state, {"train_batches": step})
+      if step % eval_every == 0 or step == train_steps:
+        self.evaluate(step, state.params)
+        window_start = time.perf_counter()
+    final_step = int(state.step)
+    if self.ckpt.latest_step() != final_step:
+      self.ckpt.save(final_step, state, {"train_batches": final_step}, force=True)
+    self.summary["final_step"] = final_step
+    steady = self.steady_tokens_per_sec
+    self.summary["tokens_per_sec"] = float(np.mean(steady)) if steady else float("nan")
+    return self.summary
 
 
 def _print_model_summary(print_fn, cfg: ModelConfig, abstract_params, mesh):

@@ -65,3 +65,20 @@ def test_group_tokens_rejects_indivisible_group():
   with pytest.raises(ValueError, match="group_size"):
     group_tokens(jnp.zeros((2, 10, 4)), 6)
   assert group_tokens(jnp.zeros((2, 10, 4)), 4096).shape == (1, 20, 4)
+
+
+def test_late_drop_fraction_and_sown_routing_match_a_direct_count():
+  cfg = MoeConfig(num_experts=4, top_k=2, group_size=16, capacity_factor_train=0.5,
+                  min_capacity=1, router_init_std=2.0)
+  layer = MoeLayer(cfg, "swiglu", 12)
+  x_btd = jax.random.normal(jax.random.PRNGKey(7), (2, 16, 8))
+  params = layer.init(jax.random.PRNGKey(8), x_btd, train=True)
+  (_, aux), state = layer.apply(params, x_btd, train=True, mutable=["intermediates"])
+  routing = state["intermediates"]["routing"][0]
+  kept_btk = np.asarray(routing["kept"])
+  assert kept_btk.shape == (2, 16, 2)
+  assert float(aux["drop_fraction"]) == pytest.approx(1 - kept_btk.mean())
+  assert float(aux["drop_fraction_last_quarter"]) == pytest.approx(
+      1 - kept_btk[:, 12:].mean())
+  gates = np.asarray(routing["gates"])
+  assert np.all(gates[~kept_btk] == 0) and np.all(gates[kept_btk] > 0)

@@ -76,6 +76,21 @@ class MoeLayer(nn.Module):
                       name="experts")
     y_gsd = self.dispatcher(x_gsd, routing, experts, cfg.num_experts)
     aux = routing_stats(routing, probs_gse)
+    aux["drop_fraction_last_quarter"] = _late_drop_fraction(routing, x_btd.shape[:2])
     aux["lb_loss"] = losses.load_balancing_loss(probs_gse, routing.expert_index)
     aux["z_loss"] = losses.router_z_loss(logits_gse)
+    # Per-token routing for analysis: `apply(..., mutable=["intermediates"])`.
+    b, t = x_btd.shape[:2]
+    self.sow("intermediates", "routing", {
+        "expert_index": routing.expert_index.reshape(b, t, -1),
+        "gates": routing.gates.reshape(b, t, -1),
+        "kept": routing.kept.reshape(b, t, -1)})
     return y_gsd.reshape(x_btd.shape).astype(self.dtype), aux
+
+
+def _late_drop_fraction(routing, batch_length) -> jax.Array:
+  """Returns the drop fraction of (token, choice) pairs in the last quarter of each
+  sequence (OpenMoE's drop-towards-the-end)."""
+  b, t = batch_length
+  kept_btk = routing.kept.reshape(b, t, -1)
+  return 1.0 - jnp.mean(kept_btk[:, t - max(t // 4, 1):].astype(jnp.float32))

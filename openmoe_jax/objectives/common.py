@@ -37,9 +37,12 @@ def moe_metrics(aux: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
   load_le = aux["expert_load"]
   cv_l = jnp.std(load_le, axis=-1) / jnp.maximum(jnp.mean(load_le, axis=-1), 1e-9)
   metrics["moe/drop_fraction"] = jnp.mean(aux["drop_fraction"])
+  metrics["moe/drop_fraction_last_quarter"] = jnp.mean(aux["drop_fraction_last_quarter"])
   metrics["moe/router_entropy"] = jnp.mean(aux["router_entropy"])
   metrics["moe/expert_load_cv"] = jnp.mean(cv_l)
   for i in range(load_le.shape[0]):
     metrics[f"moe/layer_{i}/drop_fraction"] = aux["drop_fraction"][i]
+    metrics[f"moe/layer_{i}/drop_fraction_last_quarter"] = (
+        aux["drop_fraction_last_quarter"][i])
     metrics[f"moe/layer_{i}/expert_load_cv"] = cv_l[i]
   return metrics
