@@ -3,7 +3,10 @@
 `train()` is gin-configured; the command line lives in train.py. MODEL_DIR receives
 checkpoints, TensorBoard events, metrics.jsonl and the operative config.gin.
 """
+import contextlib
 import math
+import signal
+import threading
 import time
 from typing import Any, Callable, Dict, Iterator, Optional
 
@@ -91,15 +94,51 @@ def _opt_state_shardings(abstract_state: TrainState, mesh):
   return jax.tree.map(shard, abstract_state.opt_state, is_leaf=mirrors)
 
 
-def make_train_step(model, objective, optimizer) -> Callable:
-  """Returns train_step(state, batch, rng) -> (new state, scalar metrics)."""
+def make_train_step(model, objective, optimizer, microbatches: int = 1) -> Callable:
+  """Returns train_step(state, batch, rng) -> (new state, scalar metrics).
+
+  With `microbatches` k > 1 the batch is split into k equal slices whose gradients
+  are accumulated; k slices of b rows give the loss and gradients of one batch of
+  k*b rows: token-averaged terms are weighted by each slice's share of the batch's
+  target tokens (decoder_loss_weights), router aux losses (means over groups) by 1/k.
+  MoE groups must not straddle slices (group_size divides the slice's tokens).
+  """
+  def weighted_loss(params, batch, rng, total_tokens):
+    loss, metrics = objective(model, params, batch, rng, train=True)
+    aux = metrics["moe/aux_loss"]
+    share = jnp.sum(batch["decoder_loss_weights"].astype(jnp.float32)) / total_tokens
+    return share * (loss - aux) + aux / microbatches, metrics
+
+  grad_fn = jax.value_and_grad(weighted_loss, has_aux=True)
+
+  def accumulate(params, batch, rng, total_tokens):
+    if microbatches == 1:
+      (loss, metrics), grads = grad_fn(params, batch, rng, total_tokens)
+      return loss, metrics, grads
+    slices = jax.tree.map(lambda a: nn.with_logical_constraint(
+        a.reshape((microbatches, -1) + a.shape[1:]), (None, "batch")), batch)
+
+    def body(grads, xs):
+      i, piece = xs
+      (loss, metrics), g = grad_fn(params, piece, jax.random.fold_in(rng, i),
+                                   total_tokens)
+      return jax.tree.map(jnp.add, grads, g), (loss, metrics)
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    grads, (losses, metrics) = jax.lax.scan(
+        body, zeros, (jnp.arange(microbatches), slices))
+    metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
+    metrics["num_tokens"] = metrics["num_tokens"] * microbatches
+    return jnp.sum(losses), metrics, grads
+
   def train_step(state: TrainState, batch, rng):
     step_rng = jax.random.fold_in(rng, state.step)
-    grad_fn = jax.value_and_grad(
-        lambda p: objective(model, p, batch, step_rng, train=True), has_aux=True)
-    (_, metrics), grads = grad_fn(state.params)
+    total_tokens = jnp.maximum(
+        jnp.sum(batch["decoder_loss_weights"].astype(jnp.float32)), 1.0)
+    loss, metrics, grads = accumulate(state.params, batch, step_rng, total_tokens)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    metrics["loss"] = loss
     metrics["grad_norm"] = optax.tree.norm(grads)
     metrics["learning_rate"] = learning_rate(opt_state)
     return TrainState(state.step + 1, params, opt_state), metrics
@@ -147,7 +186,7 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
           eval_every_steps: int = 100, eval_batches: int = 8,
           eval_split: str = "validation", log_every_steps: int = 10,
           checkpoint_every_steps: int = 100, keep_checkpoints: int = 3,
-          seed: int = 0, num_devices: Optional[int] = None,
+          seed: int = 0, num_devices: Optional[int] = None, microbatches: int = 1,
           print_fn: Callable[[str], None] = print) -> Dict[str, Any]:
   """Trains (or resumes) a Decoder; returns a summary dict (first/last eval loss,
   tokens/s, final step, train loss)."""
@@ -156,9 +195,10 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
   cfg = build_model_config(model_config, vocab.vocab_size)
   model = Decoder(cfg)
   mesh = partitioning.make_mesh(num_devices)
-  if batch_size % mesh.size:
-    raise ValueError(f"batch_size {batch_size} must be divisible by the {mesh.size} "
-                     "devices of the data mesh (set train.num_devices)")
+  if batch_size % (mesh.size * microbatches):
+    raise ValueError(f"batch_size {batch_size} must be divisible by microbatches "
+                     f"({microbatches}) x the {mesh.size} devices of the data mesh "
+                     "(set train.num_devices or train.microbatches)")
   batch_sh = partitioning.batch_sharding(mesh)
   to_device = lambda b: jax.tree.map(
       lambda a: jax.make_array_from_process_local_data(batch_sh, a), b)
@@ -176,7 +216,7 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
     start = int(state.step)
     _print_model_summary(print_fn, cfg, abstract.params, mesh)
     gin_utils.write_operative_config(model_dir)
-    train_step = jax.jit(make_train_step(model, objective, optimizer),
+    train_step = jax.jit(make_train_step(model, objective, optimizer, microbatches),
                          in_shardings=(state_sh, batch_sh, partitioning.replicated(mesh)),
                          out_shardings=(state_sh, partitioning.replicated(mesh)),
                          donate_argnums=(0,))
@@ -236,6 +276,24 @@ class _Loop:
     if start == 0 or start >= train_steps:
       self.evaluate(start, state.params)
     progress = ProgressPrinter(train_steps, start, print_fn=self.print_fn)
+    with _sigterm_flag() as preempted:
+      state = self._steps(state, data, start, train_steps, eval_every, log_every,
+                          progress, preempted)
+    final_step = int(state.step)
+    if self.ckpt.latest_step() != final_step:
+      self.ckpt.save(final_step, state, {"train_batches": final_step}, force=True)
+    self.summary["final_step"] = final_step
+    self.summary["preempted"] = bool(preempted)
+    if preempted:
+      self.print_fn(f"SIGTERM: stopped after step {final_step}, checkpoint saved; "
+                    "relaunch the same command to resume")
+    steady = self.steady_tokens_per_sec
+    self.summary["tokens_per_sec"] = float(np.mean(steady)) if steady else float("nan")
+    return self.summary
+
+  def _steps(self, state, data, start, train_steps, eval_every, log_every, progress,
+             preempted):
+    """Runs the steps until train_steps or a SIGTERM; returns the last state."""
     history, window_start = [], time.perf_counter()
     for step in range(start + 1, train_steps + 1):
       state, metrics = self.train_step(state, self.to_device(next(data)), self.rng)
@@ -245,16 +303,27 @@ class _Loop:
                  compiled_in_window=step - len(history) == start, progress=progress)
         history, window_start = [], time.perf_counter()
       self.ckpt.save(step, state, {"train_batches": step})
+      if preempted:
+        break
       if step % eval_every == 0 or step == train_steps:
         self.evaluate(step, state.params)
         window_start = time.perf_counter()
-    final_step = int(state.step)
-    if self.ckpt.latest_step() != final_step:
-      self.ckpt.save(final_step, state, {"train_batches": final_step}, force=True)
-    self.summary["final_step"] = final_step
-    steady = self.steady_tokens_per_sec
-    self.summary["tokens_per_sec"] = float(np.mean(steady)) if steady else float("nan")
-    return self.summary
+    return state
+
+
+@contextlib.contextmanager
+def _sigterm_flag():
+  """Yields a list that becomes non-empty when SIGTERM arrives (TPU VMs get one
+  before maintenance or preemption); the previous handler is restored after."""
+  flag = []
+  if threading.current_thread() is not threading.main_thread():
+    yield flag  # signal handlers can only be installed from the main thread
+    return
+  previous = signal.signal(signal.SIGTERM, lambda *_: flag.append(True))
+  try:
+    yield flag
+  finally:
+    signal.signal(signal.SIGTERM, previous)
 
 
 def _print_model_summary(print_fn, cfg: ModelConfig, abstract_params, mesh):

@@ -2,6 +2,7 @@
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -98,3 +99,37 @@ def test_missing_required_value_fails_naming_it():
 def test_unknown_argument_is_rejected():
   with pytest.raises(SystemExit, match="--steps"):
     train_cli.main(["--gin_file=runs/quickstart.gin", "--steps=3"])
+
+
+def _cli_args(model_dir, steps):
+  args = ["--gin_file=runs/quickstart.gin", f"--gin.MODEL_DIR={model_dir}",
+          f"--gin.TRAIN_STEPS={steps}", "--gin.train.eval_every_steps=1000",
+          "--gin.train.checkpoint_every_steps=1000",
+          "--gin.adamw_warmup_cosine.warmup_steps=1"]
+  return [sys.executable, "-m", "openmoe_jax.train"] + args + [
+      f"--gin.{b.replace(' ', '')}" for b in TINY_BINDINGS]
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_exits_cleanly_and_relaunch_resumes(tmp_path):
+  model_dir = tmp_path / "run"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+  proc = subprocess.Popen(_cli_args(model_dir, 1000), stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, text=True, env=env, cwd=str(tmp_path))
+  output = []
+  for line in proc.stdout:
+    output.append(line)
+    if line.startswith("step") and "/1000" in line:
+      proc.send_signal(signal.SIGTERM)
+      break
+  output += proc.stdout.readlines()
+  assert proc.wait(timeout=300) == 0, "".join(output)[-3000:]
+  text = "".join(output)
+  assert "SIGTERM: stopped after step" in text
+  saved = int(sorted(os.listdir(model_dir / "checkpoints"), key=int)[-1])
+  assert 1 <= saved < 1000
+  relaunch = subprocess.run(_cli_args(model_dir, saved + 1), capture_output=True,
+                            text=True, env=env, cwd=str(tmp_path), timeout=300)
+  assert relaunch.returncode == 0, relaunch.stderr[-3000:]
+  assert f"Resumed from step {saved}" in relaunch.stdout
+  assert "final_step: " + str(saved + 1) in relaunch.stdout
