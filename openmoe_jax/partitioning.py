@@ -6,12 +6,14 @@ The rules are derived from `LOGICAL_AXES` for whichever mesh axes exist, so addi
 mesh axis (fsdp, expert, tensor) only changes the mesh, never the model code.
 """
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 
 import flax.linen as nn
 import gin
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 # Mesh axis names this library knows, outermost first.
@@ -63,17 +65,56 @@ def logical_axis_rules(mesh_axis_names: Sequence[str] = ("data",)) -> LogicalRul
 
 
 @gin.configurable
-def make_mesh(num_devices: int | None = None) -> Mesh:
-  """Returns a one-axis ('data',) mesh over the first `num_devices` local devices.
+def make_mesh(num_devices: int | None = None, data: int = -1, fsdp: int = 1,
+              expert: int = 1, tensor: int = 1, dcn_data: int = 1, dcn_fsdp: int = 1,
+              dcn_expert: int = 1, dcn_tensor: int = 1) -> Mesh:
+  """Returns a mesh over the first `num_devices` devices (None: all of them).
 
-  num_devices=None uses all of them. Axes are Auto (GSPMD propagation), not the
-  Explicit default of `jax.make_mesh`.
+  Each of the axes data, fsdp, expert, tensor has an ICI degree (within a slice) and
+  a DCN degree (across slices, multi-slice only); at most one ICI degree may be -1,
+  filled so the degrees multiply to the device count. Axes of total size 1 are left
+  out except 'data', so the default is the one-axis ('data',) mesh. Device order
+  comes from `mesh_utils` (physical torus order on TPU). Axes are Auto (GSPMD
+  propagation), not the Explicit default of `jax.make_mesh`.
   """
-  devices = jax.local_devices()
+  devices = jax.devices()
   n = len(devices) if num_devices is None else num_devices
   if not 1 <= n <= len(devices):
-    raise ValueError(f"num_devices={num_devices} but {len(devices)} local devices exist")
-  return Mesh(np.array(devices[:n]), ("data",))
+    raise ValueError(f"num_devices={num_devices} but {len(devices)} devices exist")
+  dcn = (dcn_data, dcn_fsdp, dcn_expert, dcn_tensor)
+  ici = _fill_auto_degree((data, fsdp, expert, tensor), n // math.prod(dcn))
+  if math.prod(ici) * math.prod(dcn) != n:
+    raise ValueError(f"mesh degrees ici={dict(zip(MESH_AXES, ici))} x "
+                     f"dcn={dict(zip(MESH_AXES, dcn))} do not multiply to {n} devices")
+  if math.prod(dcn) > 1:
+    grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices[:n])
+  else:
+    grid = mesh_utils.create_device_mesh(ici, devices[:n])
+  keep = [i for i, name in enumerate(MESH_AXES)
+          if name == "data" or ici[i] * dcn[i] > 1]
+  shape = tuple(ici[i] * dcn[i] for i in keep)
+  return Mesh(grid.reshape(shape), tuple(MESH_AXES[i] for i in keep))
+
+
+def _fill_auto_degree(degrees: Sequence[int], total: int) -> tuple[int, ...]:
+  """Returns `degrees` with the single -1 replaced so that they multiply to total."""
+  auto = [i for i, d in enumerate(degrees) if d == -1]
+  if len(auto) > 1 or any(d < 1 for d in degrees if d != -1):
+    raise ValueError(f"mesh degrees {dict(zip(MESH_AXES, degrees))}: each must be >= 1 "
+                     "except at most one -1 (auto)")
+  if not auto:
+    return tuple(degrees)
+  fixed = math.prod(d for d in degrees if d != -1)
+  if total % fixed:
+    raise ValueError(f"cannot fill the -1 mesh degree: {total} devices are not "
+                     f"divisible by the fixed degrees {dict(zip(MESH_AXES, degrees))}")
+  return tuple(total // fixed if d == -1 else d for d in degrees)
+
+
+def batch_shards(mesh: Mesh) -> int:
+  """Returns how many ways the batch dimension is split on `mesh`."""
+  return _mesh_size(mesh, nn.logical_to_mesh_axes(
+      ("batch",), logical_axis_rules(mesh.axis_names))[0])
 
 
 def _check_known_names(names: Sequence, where) -> None:

@@ -195,10 +195,11 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
   cfg = build_model_config(model_config, vocab.vocab_size)
   model = Decoder(cfg)
   mesh = partitioning.make_mesh(num_devices)
-  if batch_size % (mesh.size * microbatches):
+  shards = partitioning.batch_shards(mesh)
+  if batch_size % (shards * microbatches):
     raise ValueError(f"batch_size {batch_size} must be divisible by microbatches "
-                     f"({microbatches}) x the {mesh.size} devices of the data mesh "
-                     "(set train.num_devices or train.microbatches)")
+                     f"({microbatches}) x the {shards} batch shards of mesh "
+                     f"{dict(mesh.shape)} (see make_mesh.* and train.microbatches)")
   batch_sh = partitioning.batch_sharding(mesh)
   to_device = lambda b: jax.tree.map(
       lambda a: jax.make_array_from_process_local_data(batch_sh, a), b)
