@@ -4,7 +4,9 @@
 checkpoints, TensorBoard events, metrics.jsonl and the operative config.gin.
 """
 import contextlib
+import functools
 import math
+import os
 import signal
 import threading
 import time
@@ -187,16 +189,22 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
           eval_split: str = "validation", log_every_steps: int = 10,
           checkpoint_every_steps: int = 100, keep_checkpoints: int = 3,
           seed: int = 0, num_devices: Optional[int] = None, microbatches: int = 1,
+          distributed: Optional[bool] = None,
           print_fn: Callable[[str], None] = print) -> Dict[str, Any]:
   """Trains (or resumes) a Decoder; returns a summary dict (first/last eval loss,
-  tokens/s, final step, train loss)."""
+  tokens/s, final step, train loss).
+
+  `distributed`: call `jax.distributed.initialize()` (multi-host pods); None detects
+  a multi-host TPU VM from its environment.
+  """
+  maybe_initialize_distributed(distributed)
   objective = objective or CausalLm()
   vocab = pipeline.vocabulary_for(mixture_or_task_name)
   cfg = build_model_config(model_config, vocab.vocab_size)
   model = Decoder(cfg)
   mesh = partitioning.make_mesh(num_devices)
   shards = partitioning.batch_shards(mesh)
-  if batch_size % (shards * microbatches):
+  if batch_size % (shards * microbatches) or batch_size % jax.process_count():
     raise ValueError(f"batch_size {batch_size} must be divisible by microbatches "
                      f"({microbatches}) x the {shards} batch shards of mesh "
                      f"{dict(mesh.shape)} (see make_mesh.* and train.microbatches)")
@@ -222,11 +230,14 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
                          out_shardings=(state_sh, partitioning.replicated(mesh)),
                          donate_argnums=(0,))
     eval_step = jax.jit(make_eval_step(model, objective))
-    run_eval = lambda params: evaluate(eval_step, params, pipeline.get_dataset(
-        mixture_or_task_name, sequence_length, batch_size, split=eval_split,
-        shuffle=False, repeat=False, num_batches=eval_batches), to_device)
-    data = pipeline.get_dataset(mixture_or_task_name, sequence_length, batch_size,
-                                seed=seed, skip_batches=position["train_batches"])
+    host_data = functools.partial(
+        pipeline.get_dataset, mixture_or_task_name, sequence_length,
+        batch_size // jax.process_count(), shard_index=jax.process_index(),
+        num_shards=jax.process_count())
+    run_eval = lambda params: evaluate(eval_step, params, host_data(
+        split=eval_split, shuffle=False, repeat=False, num_batches=eval_batches),
+        to_device)
+    data = host_data(seed=seed, skip_batches=position["train_batches"])
     logger = MetricsLogger(model_dir, is_chief=jax.process_index() == 0)
     loop = _Loop(train_step, run_eval, to_device, ckpt, logger, print_fn, rng,
                  tokens_per_batch=batch_size * sequence_length)
@@ -234,6 +245,17 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
     ckpt.close()
     logger.close()
   return summary
+
+
+def maybe_initialize_distributed(enabled: Optional[bool]) -> bool:
+  """Initialises multi-host JAX when `enabled`, or when None and the environment is
+  a multi-host TPU VM slice; returns whether it did."""
+  if enabled is None:
+    hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+    enabled = "," in hosts or "MEGASCALE_COORDINATOR_ADDRESS" in os.environ
+  if enabled:
+    jax.distributed.initialize()
+  return bool(enabled)
 
 
 class _Loop:
