@@ -52,6 +52,7 @@ INSTALL_REQUIRES = [
     "gin-config==0.5.0",
     "clu==0.0.12",
     "numpy==2.4.6",
+    "matplotlib==3.11.2",
 ]
 
 setuptools.setup(
@@ -74,10 +75,16 @@ setuptools.setup(
     package_data={"openmoe_jax.gin_configs": ["*.gin", "**/*.gin"]},
     install_requires=INSTALL_REQUIRES,
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout"],
+        # libtpu (via jax[tpu]) lets tests compile for TPU topologies ahead of time.
+        "test": ["pytest==9.2.0", "pytest-timeout==2.4.0", "jax[tpu]==0.10.2"],
         "tpu": ["jax[tpu]==0.10.2"],
     },
     entry_points={
-        "console_scripts": ["openmoe-train=openmoe_jax.train:main"],
+        "console_scripts": [
+            "openmoe-train=openmoe_jax.train:main",
+            "openmoe-analyze=openmoe_jax.analysis.cli:main",
+            "openmoe-params=openmoe_jax.param_count:main",
+            "openmoe-plan=openmoe_jax.plan:main",
+        ],
     },
 )

@@ -67,8 +67,10 @@ def logical_axis_rules(mesh_axis_names: Sequence[str] = ("data",)) -> LogicalRul
 @gin.configurable
 def make_mesh(num_devices: int | None = None, data: int = -1, fsdp: int = 1,
               expert: int = 1, tensor: int = 1, dcn_data: int = 1, dcn_fsdp: int = 1,
-              dcn_expert: int = 1, dcn_tensor: int = 1) -> Mesh:
-  """Returns a mesh over the first `num_devices` devices (None: all of them).
+              dcn_expert: int = 1, dcn_tensor: int = 1,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """Returns a mesh over the first `num_devices` of `devices` (default: all of
+  `jax.devices()`; the planner passes a TPU topology's devices).
 
   Each of the axes data, fsdp, expert, tensor has an ICI degree (within a slice) and
   a DCN degree (across slices, multi-slice only); at most one ICI degree may be -1,
@@ -77,7 +79,7 @@ def make_mesh(num_devices: int | None = None, data: int = -1, fsdp: int = 1,
   comes from `mesh_utils` (physical torus order on TPU). Axes are Auto (GSPMD
   propagation), not the Explicit default of `jax.make_mesh`.
   """
-  devices = jax.devices()
+  devices = list(jax.devices() if devices is None else devices)
   n = len(devices) if num_devices is None else num_devices
   if not 1 <= n <= len(devices):
     raise ValueError(f"num_devices={num_devices} but {len(devices)} devices exist")
@@ -89,11 +91,22 @@ def make_mesh(num_devices: int | None = None, data: int = -1, fsdp: int = 1,
   if math.prod(dcn) > 1:
     grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices[:n])
   else:
-    grid = mesh_utils.create_device_mesh(ici, devices[:n])
+    grid = _ici_device_grid(ici, devices[:n])
   keep = [i for i, name in enumerate(MESH_AXES)
           if name == "data" or ici[i] * dcn[i] > 1]
   shape = tuple(ici[i] * dcn[i] for i in keep)
   return Mesh(grid.reshape(shape), tuple(MESH_AXES[i] for i in keep))
+
+
+def _ici_device_grid(ici: Sequence[int], devices) -> np.ndarray:
+  """Returns devices arranged as `ici` in physical (torus) order where mesh_utils
+  knows the platform, else in enumeration order."""
+  try:
+    return mesh_utils.create_device_mesh(ici, devices)
+  except AssertionError:
+    # libtpu's v4 topology descriptions list both cores of a chip, which mesh_utils
+    # rejects (it expects megacore); enumeration order keeps a chip's cores adjacent.
+    return np.array(devices).reshape(ici)
 
 
 def _fill_auto_degree(degrees: Sequence[int], total: int) -> tuple[int, ...]:

@@ -58,10 +58,8 @@ def init_train_state(model: nn.Module, optimizer: optax.GradientTransformation,
 
   init_fn(rng) creates the state directly in its shardings (no host holds it whole).
   """
-  tokens = jnp.zeros((1, sequence_length), jnp.int32)
-
   def init_boxed(rng):
-    params = model.init(rng, tokens)["params"]
+    params = model.init(rng, jnp.zeros((1, sequence_length), jnp.int32))["params"]
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                       opt_state=optimizer.init(nn.unbox(params)))
 

@@ -1,0 +1,167 @@
+"""Ahead-of-time TPU planner: compile the sharded train step for a TPU topology on
+this machine (no TPU needed) and report per-chip memory, FLOPs and MFU.
+
+  openmoe-plan --gin_file=models/openmoe_8b_32e.gin --topology=v5p:4x4x4 \\
+      --gin.BATCH_SIZE=1024 --gin.make_mesh.fsdp=-1 --gin.make_mesh.data=1 [--json]
+
+Uses libtpu's description of the topology (`jax.experimental.topologies`), so
+`pip install -e ".[tpu]"` (or the test extra) is needed; run with JAX_PLATFORMS=cpu.
+"""
+import dataclasses
+import json
+import sys
+import time
+from typing import Any, Dict, Optional
+
+import gin
+import jax
+import jax.numpy as jnp
+
+from openmoe_jax import gin_utils, param_count, partitioning
+from openmoe_jax.config import ModelConfig
+from openmoe_jax.model import Decoder
+from openmoe_jax.objectives import CausalLm
+from openmoe_jax.optim import adafactor_openmoe
+from openmoe_jax.trainer import init_train_state, make_train_step
+
+GIB = 1024 ** 3
+# Per chip: HBM bytes and peak dense bf16 FLOP/s (public spec sheets).
+CHIPS = {
+    "TPU v3": (32 * GIB, 123e12),
+    "TPU v4": (32 * GIB, 275e12),
+    "TPU v5 lite": (16 * GIB, 197e12),
+    "TPU v5": (95 * GIB, 459e12),
+    "TPU v6 lite": (32 * GIB, 918e12),
+}
+
+
+def topology_devices(topology: str):
+  """Returns the TPU devices of `topology` (e.g. "v5p:2x2x1") from libtpu."""
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
+
+
+def analytic_train_flops(cfg: ModelConfig, batch_size: int, sequence_length: int) -> float:
+  """Returns 6 x activated matmul params x tokens + attention (12 L T h d_h per token)."""
+  counts = param_count.count_params(cfg)
+  matmul_params = counts["activated"] - cfg.vocab_size * cfg.d_model  # lookup table
+  tokens = batch_size * sequence_length
+  attention = 12 * cfg.num_layers * sequence_length * cfg.num_heads * cfg.head_dim
+  return float(tokens * (6 * matmul_params + attention))
+
+
+@gin.configurable
+def plan(topology: str, batch_size: int, sequence_length: int = 2048,
+         microbatches: int = 1, optimizer: Any = None,
+         step_time_s: Optional[float] = None) -> Dict[str, Any]:
+  """Compiles one train step of the gin-configured model for `topology`; returns
+  the report dict (memory per chip from the compiled memory analysis, compiled vs
+  analytic FLOPs, and the MFU at `step_time_s` when given)."""
+  devices = topology_devices(topology)
+  kind = devices[0].device_kind
+  if kind not in CHIPS:
+    raise ValueError(f"unknown TPU kind {kind!r}; known: {sorted(CHIPS)}")
+  hbm_per_chip, peak = CHIPS[kind]
+  num_chips = len({tuple(d.coords) for d in devices})  # v3/v4: 2 cores per chip
+  hbm_per_device = hbm_per_chip * num_chips // len(devices)
+  cfg = ModelConfig()
+  optimizer = optimizer or adafactor_openmoe(learning_rate=0.01, warmup_steps=10000)
+  mesh = partitioning.make_mesh(devices=devices)
+  model = Decoder(cfg)
+  start = time.perf_counter()
+  key = jax.random.PRNGKey(0)  # made on the host CPU, outside the TPU mesh
+  with partitioning.activate(mesh):
+    _, abstract, state_sh = init_train_state(model, optimizer, mesh, key,
+                                             sequence_length)
+    batch_sh = partitioning.batch_sharding(mesh)
+    struct = lambda dtype: jax.ShapeDtypeStruct((batch_size, sequence_length), dtype,
+                                                sharding=batch_sh)
+    batch = {k: struct(jnp.int32) for k in (
+        "decoder_input_tokens", "decoder_target_tokens", "decoder_loss_weights",
+        "decoder_segment_ids", "decoder_positions")}
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                         abstract, state_sh)
+    rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=partitioning.replicated(mesh))
+    step = jax.jit(make_train_step(model, CausalLm(), optimizer, microbatches),
+                   in_shardings=(state_sh, batch_sh, partitioning.replicated(mesh)),
+                   out_shardings=(state_sh, partitioning.replicated(mesh)),
+                   donate_argnums=(0,))
+    compiled = step.lower(state, batch, rng).compile()
+  memory = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  analytic = analytic_train_flops(cfg, batch_size, sequence_length)
+  peak_bytes = (memory.argument_size_in_bytes + memory.temp_size_in_bytes
+                + memory.output_size_in_bytes - memory.alias_size_in_bytes)
+  report = {
+      "topology": topology, "device_kind": kind, "num_chips": num_chips,
+      "num_devices": len(devices), "mesh": dict(mesh.shape),
+      "batch_size": batch_size, "sequence_length": sequence_length,
+      "hbm_bytes_per_chip": hbm_per_chip, "hbm_bytes_per_device": hbm_per_device,
+      "argument_bytes": memory.argument_size_in_bytes,
+      "temp_bytes": memory.temp_size_in_bytes,
+      "output_bytes": memory.output_size_in_bytes,
+      "alias_bytes": memory.alias_size_in_bytes,
+      "peak_bytes_per_device": peak_bytes, "fits": peak_bytes <= hbm_per_device,
+      "compiled_flops": float(cost.get("flops", 0.0)) * len(devices),
+      "analytic_flops": analytic, "compile_seconds": time.perf_counter() - start,
+  }
+  if step_time_s:
+    report["mfu"] = analytic / (step_time_s * num_chips * peak)
+  return report
+
+
+def format_report(report: Dict[str, Any]) -> str:
+  """Returns the report as readable lines."""
+  gib = lambda b: f"{b / GIB:.2f} GiB"
+  lines = [
+      f"{report['topology']} ({report['device_kind']}): {report['num_chips']} chips, "
+      f"{report['num_devices']} devices, mesh {report['mesh']}",
+      f"batch {report['batch_size']} x {report['sequence_length']} tokens",
+      f"per device: arguments {gib(report['argument_bytes'])}, temp "
+      f"{gib(report['temp_bytes'])}, outputs {gib(report['output_bytes'])} (aliased "
+      f"{gib(report['alias_bytes'])}) -> peak {gib(report['peak_bytes_per_device'])} "
+      f"of {gib(report['hbm_bytes_per_device'])} HBM: "
+      + ("fits" if report["fits"] else "DOES NOT FIT"),
+      f"FLOPs per step: compiled {report['compiled_flops']:.3e}, analytic "
+      f"{report['analytic_flops']:.3e}",
+  ]
+  if "mfu" in report:
+    lines.append(f"MFU at the given step time: {100 * report['mfu']:.1f}%")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  """CLI: openmoe-plan --gin_file=... --topology=v5p:2x2x1 [--json] [--step_time=S]."""
+  argv = list(sys.argv[1:] if argv is None else argv)
+  files, bindings, paths, other = gin_utils.parse_flags(argv)
+  options = dict(a[2:].split("=", 1) for a in other if a.startswith("--") and "=" in a)
+  as_json = "--json" in other
+  unknown = [a for a in other if a != "--json" and a[2:].split("=", 1)[0] not in
+             ("topology", "step_time")]
+  if unknown or "topology" not in options or not files:
+    raise SystemExit("usage: openmoe-plan --gin_file=models/NAME.gin --topology=v5p:2x2x1"
+                     " --gin.BATCH_SIZE=N [--gin.SEQUENCE_LENGTH=N] [--step_time=SEC]"
+                     f" [--json]; unexpected: {unknown}")
+  gin_utils.import_configurables()
+  gin_utils.parse_gin(files, bindings, paths, finalize=False)
+  macro = lambda name, default: (gin.query_parameter(f"%{name}")
+                                 if _has_macro(name) else default)
+  report = plan(options["topology"], batch_size=macro("BATCH_SIZE", 8),
+                sequence_length=macro("SEQUENCE_LENGTH", 2048),
+                step_time_s=float(options["step_time"]) if "step_time" in options
+                else None)
+  print(json.dumps(report) if as_json else format_report(report))
+  return 0
+
+
+def _has_macro(name: str) -> bool:
+  try:
+    gin.query_parameter(f"%{name}")
+    return True
+  except ValueError:
+    return False
+
+
+if __name__ == "__main__":
+  sys.exit(main())
