@@ -1,0 +1,177 @@
+"""`openmoe-analyze`: record a trained run's routing and write the routing report.
+
+  openmoe-analyze --model_dir=/tmp/openmoe_quickstart --output=/tmp/analysis \
+      [--checkpoints=all|STEP,...] [--tasks=local_code,local_text] [--num_batches=16]
+
+Writes `report.md` (plots linked), `report.json` (every number), the PNGs and
+`records/step_<n>.npz` (rerun the analyses without the model: `--from_records=DIR`).
+"""
+import argparse
+import glob
+import json
+import os
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from openmoe_jax.analysis import analyses, plots
+from openmoe_jax.analysis.record import RoutingRecord, make_routing_fn, record_routing
+from openmoe_jax.analysis.report import write_report
+
+
+def _bool(text: str) -> bool:
+  if text.lower() in ("1", "true", "yes"):
+    return True
+  if text.lower() in ("0", "false", "no"):
+    return False
+  raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+  """Returns the parsed command line."""
+  p = argparse.ArgumentParser(prog="openmoe-analyze", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--model_dir", help="training MODEL_DIR (config.gin + checkpoints/)")
+  p.add_argument("--output", required=True, help="folder for the report")
+  p.add_argument("--checkpoints", default="all",
+                 help="'all', 'latest' or comma-separated steps; the last one is analysed "
+                      "in full, all of them feed the early-routing curve")
+  p.add_argument("--tasks", default="local_code,local_text",
+                 help="comma-separated seqio tasks (validation split)")
+  p.add_argument("--num_batches", type=int, default=16, help="batches per task")
+  p.add_argument("--batch_size", type=int, default=None, help="default: the run's")
+  p.add_argument("--sequence_length", type=int, default=None, help="default: the run's")
+  p.add_argument("--pack", type=_bool, default=True,
+                 help="pack documents into rows as in training (default true)")
+  p.add_argument("--split", default="validation")
+  p.add_argument("--num_buckets", type=int, default=8, help="position buckets for drops")
+  p.add_argument("--min_count", type=int, default=5,
+                 help="a token id counts as frequent from this many occurrences")
+  p.add_argument("--from_records", default=None,
+                 help="reuse records/step_*.npz from this folder instead of the model")
+  args = p.parse_args(list(argv))
+  if not args.model_dir and not args.from_records:
+    p.error("give --model_dir (or --from_records)")
+  return args
+
+
+def _select_steps(available: List[int], spec: str) -> List[int]:
+  if spec == "all":
+    return list(available)
+  if spec == "latest":
+    return [available[-1]]
+  wanted = sorted({int(s) for s in spec.split(",") if s.strip()})
+  missing = [s for s in wanted if s not in available]
+  if missing:
+    raise SystemExit(f"checkpoints {missing} not found; available: {available}")
+  return wanted
+
+
+def record_checkpoints(args, say: Callable[[str], None]):
+  """Returns (records ordered by step, meta dict) for the chosen checkpoints."""
+  from openmoe_jax.analysis.run_loader import load_run, restore_params  # heavy imports
+  from openmoe_jax.data import pipeline
+  tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+  run = load_run(args.model_dir, vocab_task=tasks[0])
+  seq_len = args.sequence_length or run.sequence_length
+  batch_size = args.batch_size or run.batch_size
+  steps = _select_steps(run.steps, args.checkpoints)
+  say(f"model: {run.config.num_layers} layers, {run.config.moe.num_experts} experts; "
+      f"checkpoints {steps}; tasks {tasks}; {args.num_batches} x {batch_size} x {seq_len}")
+  routing_fn = make_routing_fn(run.config, train=True)
+  os.makedirs(os.path.join(args.output, "records"), exist_ok=True)
+  records = []
+  for step in steps:
+    start = time.perf_counter()
+    params = restore_params(args.model_dir, step)
+    batches = {task: pipeline.get_dataset(
+        task, seq_len, batch_size, split=args.split, shuffle=False, repeat=False,
+        pack=args.pack, num_batches=args.num_batches) for task in tasks}
+    rec = record_routing(run.config, params, batches, batch_size, step=step,
+                         routing_fn=routing_fn, progress=say)
+    rec.save(os.path.join(args.output, "records", f"step_{step}.npz"))
+    say(f"recorded step {step}: {rec.token.size} tokens, {rec.num_layers} MoE layers "
+        f"({time.perf_counter() - start:.1f}s)")
+    records.append(rec)
+  meta = {"model_dir": os.path.abspath(args.model_dir), "tasks": tasks,
+          "num_batches": args.num_batches, "batch_size": batch_size,
+          "sequence_length": seq_len, "pack": args.pack,
+          "capacity_factor": run.config.moe.capacity_factor(True)}
+  with open(os.path.join(args.output, "records", "meta.json"), "w") as f:
+    json.dump(meta, f)
+  return records, meta
+
+
+def analyze_records(records: List[RoutingRecord], output: str, meta: Dict,
+                    decode: Optional[Callable[[int], str]] = None,
+                    num_buckets: int = 8, min_count: int = 5,
+                    say: Callable[[str], None] = print) -> Dict:
+  """Runs every analysis on `records` (the last one in full, all for stability),
+  writes the plots and the report into `output`; returns the results dict."""
+  final = records[-1]
+  rows = {name: int(np.unique(final.row[final.task == t]).size)
+          for t, name in enumerate(final.task_names)}
+  meta = dict(meta, step=final.step, num_tokens=int(final.token.size),
+              checkpoints=[r.step for r in records], rows_per_task=rows)
+  results: Dict = {"meta": meta}
+  results["specialization"] = analyses.token_specialization(
+      final, min_count=min_count, decode=decode)
+  say(f"token-ID specialization: token id {results['specialization']['token_score']:.3f}"
+      f", position {results['specialization']['position_score']:.3f}")
+  results["drops"] = analyses.drop_by_position(final, num_buckets=num_buckets)
+  say("drop rate, first -> last position bucket: " + "; ".join(
+      f"{t} {r[0]:.3f} -> {r[-1]:.3f}" for t, r in results["drops"]["by_task"].items()
+      if r[0] is not None and r[-1] is not None))
+  results["stability"] = analyses.routing_stability(records, min_count=min_count)
+  say("top-expert overlap with the final checkpoint: " + ", ".join(
+      f"step {s}: {v:.3f}" for s, v in zip(results["stability"]["steps"],
+                                           results["stability"]["mean_to_final"])))
+  results["domain_load"] = analyses.domain_load(final)
+  os.makedirs(output, exist_ok=True)
+  out = lambda name: os.path.join(output, name)
+  plots.plot_specialization_scores(results["specialization"], out("specialization_scores.png"))
+  plots.plot_token_expert_distribution(results["specialization"],
+                                       out("token_expert_distribution.png"))
+  plots.plot_drop_by_position(results["drops"], out("drop_by_position.png"))
+  plots.plot_routing_stability(results["stability"], out("routing_stability.png"))
+  plots.plot_domain_load(results["domain_load"], out("domain_load.png"))
+  paths = write_report(output, results)
+  say(f"wrote {paths['markdown']} and {paths['json']}")
+  return results
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """CLI entry point; returns the exit status."""
+  args = parse_args(sys.argv[1:] if argv is None else argv)
+  t0 = time.perf_counter()
+  say = lambda msg: print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", flush=True)
+  if args.from_records:
+    paths = sorted(glob.glob(os.path.join(args.from_records, "step_*.npz")),
+                   key=lambda p: int(os.path.basename(p)[5:-4]))
+    if not paths:
+      raise SystemExit(f"no step_*.npz in {args.from_records}")
+    records = [RoutingRecord.load(p) for p in paths]
+    if args.model_dir:  # the run's vocabulary settings, for decoding token ids
+      from openmoe_jax.analysis.run_loader import load_run  # pylint: disable=g-import-not-at-top
+      load_run(args.model_dir, vocab_task=records[-1].task_names[0])
+    meta_path = os.path.join(args.from_records, "meta.json")
+    meta = {"model_dir": args.model_dir, "tasks": records[-1].task_names,
+            "num_batches": None, "batch_size": None,
+            "sequence_length": records[-1].sequence_length, "pack": None,
+            "capacity_factor": None}
+    if os.path.exists(meta_path):
+      with open(meta_path) as f:
+        meta.update(json.load(f))
+  else:
+    records, meta = record_checkpoints(args, say)
+  from openmoe_jax.data import pipeline  # pylint: disable=g-import-not-at-top
+  vocab = pipeline.vocabulary_for(meta["tasks"][0])
+  analyze_records(records, args.output, meta, decode=lambda i: vocab.decode([i]),
+                  num_buckets=args.num_buckets, min_count=args.min_count, say=say)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,225 @@
+"""Routing analysis: analyses on synthetic records with known answers, the recorder
+against the model's own routing statistics, and `openmoe-analyze` end to end."""
+import dataclasses
+import json
+import os
+
+import flax.linen as nn
+import gin
+import jax
+import numpy as np
+import pytest
+
+from openmoe_jax import gin_utils
+from openmoe_jax.analysis import analyses, cli
+from openmoe_jax.analysis.record import (RoutingRecord, _check_token_choice,
+                                         make_routing_fn, record_routing)
+from openmoe_jax.analysis.routing import moe_layer_numbers
+from openmoe_jax.config import ModelConfig, MoeConfig
+from openmoe_jax.model import Decoder
+from openmoe_jax.trainer import train
+
+E = 8
+SEQ = 64
+
+
+def _record(token_n, position_n, expert_lnk, kept_lnk=None, task_n=None,
+            task_names=("a",), step=None) -> RoutingRecord:
+  """Returns a synthetic record; one choice per token unless expert_lnk says more."""
+  n = token_n.size
+  expert_lnk = expert_lnk.reshape(expert_lnk.shape[0], n, -1)
+  kept_lnk = np.ones(expert_lnk.shape, bool) if kept_lnk is None else kept_lnk
+  return RoutingRecord(
+      token=token_n.astype(np.int32), position=position_n.astype(np.int32),
+      doc_position=position_n.astype(np.int32),
+      task=np.zeros(n, np.int16) if task_n is None else task_n.astype(np.int16),
+      row=np.arange(n, dtype=np.int32) // SEQ, expert=expert_lnk.astype(np.int16),
+      gate=np.where(kept_lnk, 0.5, 0.0).astype(np.float16), kept=kept_lnk,
+      task_names=list(task_names), num_experts=E, sequence_length=SEQ,
+      moe_layers=list(range(1, 2 * expert_lnk.shape[0], 2)), step=step)
+
+
+def _tokens_positions(n=20000, vocab=60, seed=0):
+  rng = np.random.default_rng(seed)
+  return rng.integers(0, vocab, n), np.tile(np.arange(SEQ), n // SEQ + 1)[:n], rng
+
+
+def test_token_id_only_routing_scores_one_and_position_at_chance():
+  token_n, position_n, _ = _tokens_positions()
+  expert_lnk = np.stack([token_n % E, (3 * token_n + 1) % E])
+  result = analyses.token_specialization(_record(token_n, position_n, expert_lnk),
+                                         decode=lambda i: f"<{i}>")
+  assert result["token_score"] == pytest.approx(1.0, abs=1e-9)
+  assert abs(result["position_score"]) < 0.02
+  for layer in result["per_layer"]:
+    assert layer["token"]["consistency"] == pytest.approx(1.0)
+    assert layer["position"]["consistency"] == pytest.approx(
+        layer["position"]["consistency_chance"], abs=0.02)
+  # Every token id goes to one expert, and the owner lists say so.
+  dist = np.array(result["token_expert_distribution"][0]["distribution"])
+  assert np.allclose(dist.max(-1), 1.0)
+  owners = result["top_tokens_per_expert"][0]["experts"]
+  for e, tokens in enumerate(owners):
+    assert tokens and all(t["token_id"] % E == e and t["share"] == 1.0 for t in tokens)
+    assert tokens[0]["text"] == f"<{tokens[0]['token_id']}>"
+
+
+def test_position_only_routing_scores_the_other_way_round():
+  token_n, position_n, _ = _tokens_positions()
+  result = analyses.token_specialization(_record(token_n, position_n, position_n[None] % E))
+  assert result["position_score"] == pytest.approx(1.0, abs=1e-9)
+  assert abs(result["token_score"]) < 0.02
+
+
+def test_random_routing_scores_near_zero_despite_rare_token_ids():
+  # Many ids with few occurrences each: a plug-in estimate alone would say ~0.3.
+  token_n, position_n, rng = _tokens_positions(n=8000, vocab=1500)
+  expert_lnk = rng.integers(0, E, (1, token_n.size))
+  result = analyses.token_specialization(_record(token_n, position_n, expert_lnk),
+                                         min_count=2)
+  assert abs(result["token_score"]) < 0.03 and abs(result["position_score"]) < 0.03
+
+
+def test_drop_rates_by_position_match_a_direct_count():
+  token_n, position_n, rng = _tokens_positions(n=4096)
+  task_n = rng.integers(0, 2, token_n.size)
+  expert_lnk = rng.integers(0, E, (2, token_n.size, 2))
+  # Drops grow towards the end of the sequence, faster for task 1.
+  p_drop_n = position_n / SEQ * (0.5 + 0.4 * task_n)
+  kept_lnk = rng.random(expert_lnk.shape) >= p_drop_n[None, :, None]
+  rec = _record(token_n, position_n, expert_lnk, kept_lnk, task_n, ("code", "text"))
+  result = analyses.drop_by_position(rec, num_buckets=4)
+  assert result["bucket_edges"] == [0, 16, 32, 48, 64]
+  for t, task in enumerate(("code", "text")):
+    for b in range(4):
+      sel = (task_n == t) & (position_n >= 16 * b) & (position_n < 16 * (b + 1))
+      direct = 1 - kept_lnk[:, sel].sum() / kept_lnk[:, sel].size
+      assert result["by_task"][task][b] == pytest.approx(direct)
+    late = (task_n == t) & (position_n >= 48)
+    assert result["last_quarter_by_task"][task] == pytest.approx(
+        1 - kept_lnk[:, late].mean())
+    assert result["by_task"][task][0] < result["by_task"][task][-1]
+  for l, name in enumerate(("1", "3")):
+    sel = position_n < 16
+    assert result["by_layer"][name][0] == pytest.approx(1 - kept_lnk[l, sel].mean())
+    assert result["by_choice_rank"][str(l + 1)][0] == pytest.approx(
+        1 - kept_lnk[:, sel, l].mean())
+    assert result["by_task_layer"]["code"][name][3] == pytest.approx(
+        1 - kept_lnk[l, (task_n == 0) & (position_n >= 48)].mean())
+
+
+def test_routing_stability_identical_is_one_and_independent_is_one_over_e():
+  token_n, position_n, rng = _tokens_positions(n=24000, vocab=400)
+  fixed = _record(token_n, position_n, np.stack([token_n % E, token_n // 3 % E]), step=10)
+  same = analyses.routing_stability([fixed, dataclasses.replace(fixed, step=20)])
+  assert same["steps"] == [10, 20] and same["num_tokens"] == 400
+  assert same["mean_to_final"] == [1.0, 1.0] and same["mean_consecutive"] == [None, 1.0]
+  # Independent random top experts per token id at each checkpoint.
+  records = []
+  for step in (1, 2, 3):
+    table_lv = rng.integers(0, E, (2, 400))
+    records.append(_record(token_n, position_n, table_lv[:, token_n], step=step))
+  result = analyses.routing_stability(records)
+  assert result["chance"] == 1 / E and result["mean_to_final"][-1] == 1.0
+  for value in result["mean_to_final"][:-1] + result["mean_consecutive"][1:]:
+    assert value == pytest.approx(1 / E, abs=0.05)
+
+
+def test_domain_load_heatmap_numbers():
+  token_n, position_n, rng = _tokens_positions(n=1000)
+  task_n = (np.arange(1000) >= 500).astype(int)
+  expert_lnk = np.where(task_n == 0, 0, rng.integers(0, 2, 1000) + 1)[None]
+  result = analyses.domain_load(_record(token_n, position_n, expert_lnk, task_n=task_n,
+                                        task_names=("code", "text")))
+  load = np.array(result["load"])
+  assert load.shape == (2, 1, E) and np.allclose(load.sum(-1), 1)
+  assert load[0, 0, 0] == 1.0 and load[1, 0, 1] == pytest.approx(0.5, abs=0.06)
+  assert result["total_variation"]["code vs text"] == [1.0]
+
+
+def test_record_roundtrip(tmp_path):
+  token_n, position_n, rng = _tokens_positions(n=300)
+  rec = _record(token_n, position_n, rng.integers(0, E, (2, 300, 2)), step=7,
+                kept_lnk=rng.random((2, 300, 2)) > 0.3)
+  back = RoutingRecord.load(rec.save(str(tmp_path / "r.npz")))
+  for field in ("token", "position", "task", "expert", "gate", "kept"):
+    np.testing.assert_array_equal(getattr(back, field), getattr(rec, field))
+  assert (back.step, back.moe_layers, back.task_names) == (7, [1, 3], ["a"])
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_recorder_agrees_with_the_model_routing_statistics(scan_layers):
+  # Segments: a dense unit, then (dense, MoE) x 2: layer order must survive both.
+  cfg = ModelConfig(vocab_size=128, d_model=32, num_heads=2, head_dim=16, d_ff=48,
+                    num_layers=6, sparse_interval=2, num_dense_first=2,
+                    scan_layers=scan_layers,
+                    moe=MoeConfig(num_experts=4, group_size=32, min_capacity=1,
+                                  capacity_factor_train=0.75))
+  assert moe_layer_numbers(cfg) == [3, 5]
+  b, t = 4, 32
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (b, t), 1, 128)
+  params = nn.unbox(Decoder(cfg).init(jax.random.PRNGKey(0), tokens))["params"]
+  batch = {"decoder_input_tokens": np.asarray(tokens, np.int32),
+           "decoder_positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)),
+           "decoder_segment_ids": np.ones((b, t), np.int32)}
+  routing_fn = make_routing_fn(cfg)
+  routing, aux = jax.device_get(routing_fn(params, batch))
+  assert routing["expert_index"].shape == (2, b, t, 2)
+  drop_l = 1 - routing["kept"].mean(axis=(1, 2, 3))
+  np.testing.assert_allclose(drop_l, aux["drop_fraction"], atol=1e-6)
+  assert drop_l.min() > 0  # capacity binds, so the drops say something
+  load_le = np.stack([np.bincount(routing["expert_index"][l].ravel(), minlength=4)
+                      for l in range(2)]) / (b * t * 2)
+  np.testing.assert_allclose(load_le, aux["expert_load"], atol=1e-6)
+  assert not np.allclose(load_le[0], load_le[1])  # layers are told apart
+  rec = record_routing(cfg, params, {"x": [batch]}, batch_size=b, step=0,
+                       routing_fn=routing_fn)
+  np.testing.assert_allclose(1 - rec.kept.mean(axis=(1, 2)), aux["drop_fraction"],
+                             atol=1e-6)
+  assert rec.token.shape == (b * t,) and rec.moe_layers == [3, 5]
+
+
+def test_recorder_refuses_expert_choice_routing():
+  expert_lbtk = np.broadcast_to(np.arange(4), (2, 3, 5, 4))
+  with pytest.raises(ValueError, match="expert choice"):
+    _check_token_choice(expert_lbtk, 4)
+  _check_token_choice(expert_lbtk[..., ::-1], 4)  # ranked choices pass
+
+
+TINY_BINDINGS = [
+    "ModelConfig.d_model = 32", "ModelConfig.num_heads = 2", "ModelConfig.head_dim = 16",
+    "ModelConfig.d_ff = 64", "ModelConfig.num_layers = 2", "MoeConfig.num_experts = 4",
+    "MoeConfig.group_size = 64", "SEQUENCE_LENGTH = 64", "BATCH_SIZE = 8",
+    "train.eval_batches = 1", "train.log_every_steps = 2", "train.eval_every_steps = 100",
+    "train.checkpoint_every_steps = 2", "adamw_warmup_cosine.warmup_steps = 1",
+]
+
+
+@pytest.mark.slow
+def test_openmoe_analyze_end_to_end(tmp_path, capsys):
+  model_dir, out = tmp_path / "run", tmp_path / "analysis"
+  gin_utils.import_configurables()
+  gin_utils.parse_gin(["runs/quickstart.gin"], TINY_BINDINGS + [
+      f"MODEL_DIR = '{model_dir}'", "TRAIN_STEPS = 4"])
+  train(print_fn=lambda *_: None)
+  gin.clear_config()
+  assert cli.main([f"--model_dir={model_dir}", f"--output={out}", "--num_batches=2",
+                   "--tasks=local_code,local_text"]) == 0
+  console = capsys.readouterr().out
+  assert "recorded step 2" in console and "token-ID specialization" in console
+  report = json.loads((out / "report.json").read_text())
+  assert report["meta"]["checkpoints"] == [2, 4] and report["meta"]["step"] == 4
+  assert set(report["drops"]["by_task"]) == {"local_code", "local_text"}
+  assert report["stability"]["mean_to_final"][-1] == 1.0
+  assert -1.0 <= report["specialization"]["token_score"] <= 1.0 + 1e-9
+  markdown = (out / "report.md").read_text()
+  for png in ("specialization_scores", "token_expert_distribution", "drop_by_position",
+              "routing_stability", "domain_load"):
+    assert (out / f"{png}.png").stat().st_size > 5000
+    assert f"({png}.png)" in markdown
+  assert sorted(os.listdir(out / "records")) == ["meta.json", "step_2.npz", "step_4.npz"]
+  # The records alone are enough to rerun the analyses.
+  again = tmp_path / "again"
+  assert cli.main([f"--from_records={out / 'records'}", f"--output={again}",
+                   f"--model_dir={model_dir}"]) == 0
+  assert json.loads((again / "report.json").read_text())["drops"] == report["drops"]
