@@ -249,8 +249,11 @@ def maybe_initialize_distributed(enabled: Optional[bool]) -> bool:
   """Initialises multi-host JAX when `enabled`, or when None and the environment is
   a multi-host TPU VM slice; returns whether it did."""
   if enabled is None:
-    hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
-    enabled = "," in hosts or "MEGASCALE_COORDINATOR_ADDRESS" in os.environ
+    # libtpu may leave a warning sentence in this variable off-TPU: count only
+    # entries that look like host names.
+    hosts = [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",")
+             if h and not any(c.isspace() for c in h)]
+    enabled = len(hosts) > 1 or "MEGASCALE_COORDINATOR_ADDRESS" in os.environ
   if enabled:
     jax.distributed.initialize()
   return bool(enabled)

@@ -49,3 +49,18 @@ def test_microbatched_step_equals_full_batch_step():
     for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(full_state.params)):
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
   assert float(full_metrics["grad_norm"]) > 0
+
+
+@pytest.mark.parametrize("hosts,expected", [
+    ("", False), ("10.0.0.2", False), ("10.0.0.2,10.0.0.3", True),
+    ("WARNING: could not determine TPU worker hostnames or IP addresses, please set",
+     False)])
+def test_multi_host_detection(monkeypatch, hosts, expected):
+  from openmoe_jax import trainer  # pylint: disable=g-import-not-at-top
+  calls = []
+  monkeypatch.setattr(jax.distributed, "initialize", lambda: calls.append(1))
+  monkeypatch.setenv("TPU_WORKER_HOSTNAMES", hosts)
+  monkeypatch.delenv("MEGASCALE_COORDINATOR_ADDRESS", raising=False)
+  assert trainer.maybe_initialize_distributed(None) is expected
+  assert len(calls) == int(expected)
+  assert trainer.maybe_initialize_distributed(False) is False
