@@ -9,6 +9,7 @@ Uses libtpu's description of the topology (`jax.experimental.topologies`), so
 """
 import dataclasses
 import json
+import os
 import sys
 import time
 from typing import Any, Dict, Optional
@@ -37,6 +38,9 @@ CHIPS = {
 
 def topology_devices(topology: str):
   """Returns the TPU devices of `topology` (e.g. "v5p:2x2x1") from libtpu."""
+  # Compiling needs no TPU, so several processes may load libtpu at once (tests,
+  # a planner beside a training run) instead of failing on its lockfile.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
 
@@ -56,7 +60,12 @@ def plan(topology: str, batch_size: int, sequence_length: int = 2048,
          step_time_s: Optional[float] = None) -> Dict[str, Any]:
   """Compiles one train step of the gin-configured model for `topology`; returns
   the report dict (memory per chip from the compiled memory analysis, compiled vs
-  analytic FLOPs, and the MFU at `step_time_s` when given)."""
+  analytic FLOPs, and the MFU at `step_time_s` when given, from the analytic count).
+
+  XLA's cost analysis counts the body of a loop once, so `compiled_flops`
+  under-counts scanned layers and microbatches by their trip counts; compile with
+  `ModelConfig.scan_layers=False` and one microbatch to compare like with like.
+  """
   devices = topology_devices(topology)
   kind = devices[0].device_kind
   if kind not in CHIPS:
@@ -123,7 +132,8 @@ def format_report(report: Dict[str, Any]) -> str:
       f"{gib(report['alias_bytes'])}) -> peak {gib(report['peak_bytes_per_device'])} "
       f"of {gib(report['hbm_bytes_per_device'])} HBM: "
       + ("fits" if report["fits"] else "DOES NOT FIT"),
-      f"FLOPs per step: compiled {report['compiled_flops']:.3e}, analytic "
+      f"FLOPs per step: compiled {report['compiled_flops']:.3e} (XLA counts each loop "
+      f"body once: scanned layers and microbatches), analytic "
       f"{report['analytic_flops']:.3e}",
   ]
   if "mfu" in report:
