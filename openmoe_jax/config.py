@@ -6,9 +6,13 @@ for the decoder), never a global one.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import gin
+
+from openmoe_jax.moe.gates import GATE_KINDS
+from openmoe_jax.moe.routers_expert_choice import ExpertChoiceRouter  # noqa: F401 (gin)
+from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter
 
 MLP_KINDS = ("swiglu", "geglu", "openmoe_swiglu")
 ATTENTION_KINDS = ("causal", "prefix", "bidirectional")
@@ -19,7 +23,17 @@ DTYPES = ("float32", "bfloat16")
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class MoeConfig:
-  """Sparse (ST-MoE) block settings; defaults follow OpenMoE v1."""
+  """Sparse (ST-MoE) block settings; defaults follow OpenMoE v1.
+
+  `router` is a router object chosen in gin (`@TokenChoiceRouter()`, the default, or
+  `@ExpertChoiceRouter()`); it reads the shared fields here. `gate` is "softmax" or
+  "sigmoid" over the router logits; `renormalize_gates` renormalises the selected
+  routed gates per token; `routed_scaling_factor` multiplies every routed gate.
+  Shared experts (`num_shared_experts` MLPs of `shared_expert_d_ff`, None: the expert
+  size) are always-on and added with weight 1, or with `shared_experts_gated` weighted
+  by their own router rows (`router/w_shared`), normalised jointly with the routed
+  logits by the gate function (not renormalised, not scaled).
+  """
 
   num_experts: int = 16
   top_k: int = 2
@@ -33,8 +47,19 @@ class MoeConfig:
   lb_loss_weight: float = 0.01
   z_loss_weight: float = 1e-4
   router_init_std: float = 0.02
+  router: Any = dataclasses.field(default_factory=TokenChoiceRouter)
+  gate: str = "softmax"
+  routed_scaling_factor: float = 1.0
+  tokenwise_lb_loss_weight: float = 0.0  # expert choice's token-wise LB loss
+  num_shared_experts: int = 0
+  shared_expert_d_ff: Optional[int] = None
+  shared_experts_gated: bool = False
 
   def __post_init__(self):
+    if self.gate not in GATE_KINDS:
+      raise ValueError(f"MoeConfig.gate={self.gate!r}; choose one of {GATE_KINDS}")
+    if self.num_shared_experts < 0:
+      raise ValueError("MoeConfig.num_shared_experts must be >= 0")
     if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
       raise ValueError(
           f"MoeConfig: need 1 <= top_k ({self.top_k}) <= num_experts ({self.num_experts})")
@@ -56,7 +81,10 @@ class ModelConfig:
   """Decoder-only transformer settings.
 
   Layer i is sparse iff `sparse_interval > 0`, `i >= num_dense_first` and
-  `i % sparse_interval == sparse_interval - 1` (OpenMoE's MIXED layout).
+  `i % sparse_interval == sparse_interval - 1` (OpenMoE's MIXED layout), unless
+  `layer_pattern` lists every layer explicitly: one letter per layer, "D" dense and
+  "M" MoE (e.g. "DDMMMM": two dense layers, then MoE); it then overrides
+  `sparse_interval` and `num_dense_first`.
   """
 
   vocab_size: Optional[int] = None  # None: taken from the task's vocabulary
@@ -68,6 +96,7 @@ class ModelConfig:
   mlp_kind: str = "openmoe_swiglu"
   sparse_interval: int = 2
   num_dense_first: int = 0
+  layer_pattern: Optional[str] = None
   moe: MoeConfig = dataclasses.field(default_factory=MoeConfig)
   dtype: str = "float32"  # activations; params and router math stay float32
   remat_policy: str = "none"
@@ -83,11 +112,18 @@ class ModelConfig:
     if self.num_layers < 1 or self.sparse_interval < 0 or self.num_dense_first < 0:
       raise ValueError("ModelConfig: num_layers >= 1, sparse_interval >= 0, "
                        "num_dense_first >= 0 required")
+    if self.layer_pattern is not None and (
+        len(self.layer_pattern) != self.num_layers
+        or set(self.layer_pattern) - set("DM")):
+      raise ValueError(f"ModelConfig.layer_pattern={self.layer_pattern!r} needs one "
+                       f"letter D (dense) or M (MoE) per layer ({self.num_layers})")
     if self.head_dim % 2:
       raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
 
   def sparse_layers(self) -> Tuple[bool, ...]:
     """Returns, per layer, whether it is an MoE layer."""
+    if self.layer_pattern is not None:
+      return tuple(c == "M" for c in self.layer_pattern)
     k = self.sparse_interval
     return tuple(
         bool(k) and i >= self.num_dense_first and i % k == k - 1

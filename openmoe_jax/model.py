@@ -39,6 +39,20 @@ def layer_segments(sparse_layers: Sequence[bool], unit_length: int) -> List[Segm
   return segments
 
 
+def scan_unit_length(cfg: ModelConfig) -> int:
+  """Returns the unit length the layers are scanned in.
+
+  `sparse_interval` (or 1) for the every-k layouts; for an explicit `layer_pattern`
+  the unit length whose segments hold the fewest distinct layers to compile (ties:
+  the shorter unit), e.g. 1 for "DDMMMM" and 2 for "DMDMDM".
+  """
+  if cfg.layer_pattern is None:
+    return cfg.sparse_interval or 1
+  layers = cfg.sparse_layers()
+  cost = lambda n: sum(len(unit) for unit, _ in layer_segments(layers, n))
+  return min(range(1, len(layers) + 1), key=lambda n: (cost(n), n))
+
+
 class Block(nn.Module):
   """Pre-norm transformer block; sparse blocks are ST-MoE residual-MoE blocks."""
 
@@ -89,8 +103,9 @@ class Decoder(nn.Module):
   """Decoder-only LM: tokens [b, t] -> (float32 logits [b, t, V], aux).
 
   aux: `aux_loss` (weighted router losses averaged over MoE layers, 0 if none),
-  `lb_loss`, `z_loss` (means over MoE layers) and per-MoE-layer arrays
-  `drop_fraction` [L_moe], `router_entropy` [L_moe], `expert_load` [L_moe, E].
+  `lb_loss`, `z_loss`, `tokenwise_lb_loss` (means over MoE layers) and per-MoE-layer
+  arrays of the MoE layer's statistics (e.g. `drop_fraction` [L_moe],
+  `expert_load` [L_moe, E]). Training with router jitter needs a "jitter" rng.
   """
 
   config: ModelConfig
@@ -108,7 +123,8 @@ class Decoder(nn.Module):
     if cfg.scan_layers:
       scanned = nn.scan(
           self._unit_cls(True), variable_axes={"params": 0, "intermediates": 0},
-          split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast),
+          split_rngs={"params": True, "jitter": True},
+          in_axes=(nn.broadcast, nn.broadcast),
           length=repeats, metadata_params={nn.PARTITION_NAME: "layers"})
       return scanned(cfg, unit, train, name=name)(x_btd, positions_bt, mask_b1tt)
     auxes = []
@@ -134,7 +150,7 @@ class Decoder(nn.Module):
     mask_b1tt = make_attention_mask(attention_kind, t, segment_ids_bt, prefix_bt, b)
     x_btd = Embed(cfg.vocab_size, cfg.d_model, cfg.emb_init_std, dtype,
                   name="embed")(tokens_bt)
-    unit_length = cfg.sparse_interval or 1
+    unit_length = scan_unit_length(cfg)
     moe_aux = []
     for i, (unit, repeats) in enumerate(layer_segments(cfg.sparse_layers(), unit_length)):
       x_btd, aux = self._segment(i, unit, repeats, train, x_btd, positions_bt, mask_b1tt)
@@ -154,9 +170,13 @@ def _summarise_moe_aux(moe_aux, cfg: ModelConfig) -> Dict[str, Any]:
   """Concatenates per-segment MoE aux in layer order and weights the router losses."""
   if not moe_aux:
     zero = jnp.zeros((), jnp.float32)
-    return {"aux_loss": zero, "lb_loss": zero, "z_loss": zero}
+    return {"aux_loss": zero, "lb_loss": zero, "z_loss": zero,
+            "tokenwise_lb_loss": zero}
   per_layer = jax.tree.map(lambda *a: jnp.concatenate(a), *moe_aux)
-  lb_loss = jnp.mean(per_layer.pop("lb_loss"))
-  z_loss = jnp.mean(per_layer.pop("z_loss"))
-  aux_loss = cfg.moe.lb_loss_weight * lb_loss + cfg.moe.z_loss_weight * z_loss
-  return {"aux_loss": aux_loss, "lb_loss": lb_loss, "z_loss": z_loss, **per_layer}
+  losses = {name: jnp.mean(per_layer.pop(name))
+            for name in ("lb_loss", "z_loss", "tokenwise_lb_loss")}
+  aux_loss = (cfg.moe.lb_loss_weight * losses["lb_loss"]
+              + cfg.moe.z_loss_weight * losses["z_loss"])
+  if cfg.moe.tokenwise_lb_loss_weight:
+    aux_loss = aux_loss + cfg.moe.tokenwise_lb_loss_weight * losses["tokenwise_lb_loss"]
+  return {"aux_loss": aux_loss, **losses, **per_layer}

@@ -8,7 +8,9 @@ import pytest
 from openmoe_jax.config import ModelConfig, MoeConfig
 from openmoe_jax.layers.attention import make_attention_mask
 from openmoe_jax.layers.embeddings import Embed
-from openmoe_jax.model import Decoder, layer_segments
+from openmoe_jax.model import Decoder, layer_segments, scan_unit_length
+from openmoe_jax.moe.routers_expert_choice import ExpertChoiceRouter
+from openmoe_jax.objectives import CausalLm
 
 TINY = ModelConfig(vocab_size=64, d_model=16, num_heads=2, head_dim=8, d_ff=24,
                    num_layers=4, sparse_interval=2,
@@ -140,3 +142,34 @@ def test_config_validation_messages():
     MoeConfig(num_experts=2, top_k=3)
   with pytest.raises(ValueError, match="vocab_size"):
     Decoder(ModelConfig()).init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))
+
+
+def test_explicit_layer_pattern_and_its_scan_unit():
+  two_dense = ModelConfig(num_layers=6, layer_pattern="DDMMMM")
+  assert two_dense.sparse_layers() == (False, False, True, True, True, True)
+  assert scan_unit_length(two_dense) == 1
+  assert layer_segments(two_dense.sparse_layers(), 1) == [((False,), 2), ((True,), 4)]
+  alternating = ModelConfig(num_layers=6, layer_pattern="DMDMDM", sparse_interval=3)
+  assert scan_unit_length(alternating) == 2
+  assert scan_unit_length(ModelConfig(num_layers=12, sparse_interval=4)) == 4
+  for bad in ("DMX", "DM"):
+    with pytest.raises(ValueError, match="layer_pattern"):
+      ModelConfig(num_layers=3, layer_pattern=bad)
+
+
+def test_layer_pattern_expert_choice_and_jitter_through_the_objective():
+  cfg = TINY.replace(num_layers=3, layer_pattern="DMM", moe=TINY.moe.replace(
+      router=ExpertChoiceRouter(level="sequence", jitter_noise=0.1),
+      capacity_factor_train=1.0, tokenwise_lb_loss_weight=0.01, num_shared_experts=1))
+  tokens = jax.random.randint(jax.random.PRNGKey(6), (2, 8), 0, cfg.vocab_size)
+  params = _init(cfg, tokens)
+  assert set(params["params"]) >= {"layers_0", "layers_1"}
+  assert params["params"]["layers_1"]["block_0"]["moe"]["router"]["w"].shape == (2, 16, 4)
+  batch = {"decoder_input_tokens": tokens, "decoder_target_tokens": tokens,
+           "decoder_loss_weights": jnp.ones_like(tokens, jnp.float32)}
+  run = jax.jit(lambda p, r: CausalLm()(Decoder(cfg), p["params"], batch, r, train=True))
+  loss, metrics = run(params, jax.random.PRNGKey(0))
+  loss2, _ = run(params, jax.random.PRNGKey(1))
+  assert np.isfinite(loss) and float(loss) != float(loss2)  # jitter differs per rng
+  assert float(metrics["moe/tokenwise_lb_loss"]) > 0
+  assert float(metrics["moe/experts_per_token_mean"]) == pytest.approx(2.0)

@@ -1,4 +1,5 @@
-"""Router semantics on hand-computed cases (ST-MoE / flaxformer priority)."""
+"""Token-choice routing: hand-computed cases (ST-MoE / flaxformer priority), gate
+functions, and the router class against the NumPy loop reference."""
 import math
 
 import jax
@@ -6,9 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from openmoe_jax.config import MoeConfig
+from openmoe_jax.moe import gates as gates_lib
 from openmoe_jax.moe import losses
 from openmoe_jax.moe.dispatch import combine_weights, dispatch_mask
+from openmoe_jax.moe.reference import reference_gates, reference_token_choice
 from openmoe_jax.moe.routers import expert_capacity, routing_stats, top_k_capacity_routing
+from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter
 
 # 4 tokens, 3 experts. Choices (1st, 2nd): t0 (e0, e1), t1 (e0, e1), t2 (e1, e0),
 # t3 (e0, e2).
@@ -103,3 +108,93 @@ def test_router_z_loss_hand_computed():
   lse = [math.log(2.0), math.log(math.e + math.e ** 2)]
   expected = (lse[0] ** 2 + lse[1] ** 2) / 2
   assert float(losses.router_z_loss(logits)) == pytest.approx(expected, rel=1e-6)
+
+
+# --- Router classes against the NumPy loop reference (moe/reference.py) -------------
+
+
+def _tied_logits(seed, g, s, num_experts):
+  """Integer-valued logits in a narrow range: many exact ties between experts."""
+  rng = np.random.default_rng(seed)
+  return jnp.asarray(rng.integers(-2, 3, size=(g, s, num_experts)), jnp.float32)
+
+
+@pytest.mark.parametrize("router,gate,renormalize,scaling", [
+    (TokenChoiceRouter(), "softmax", False, 1.0),
+    (TokenChoiceRouter(), "sigmoid", True, 2.5),
+    (TokenChoiceRouter(dropless=True), "softmax", True, 1.0),
+    (TokenChoiceRouter(dropless=True), "sigmoid", False, 1.0),
+    (TokenChoiceRouter(batch_prioritized=True), "softmax", True, 1.0),
+    (TokenChoiceRouter(batch_prioritized=True), "sigmoid", False, 0.5),
+])
+@pytest.mark.parametrize("top_k", [1, 3])
+def test_token_choice_router_matches_loop_reference(router, gate, renormalize, scaling,
+                                                    top_k):
+  g, s, num_experts = 2, 24, 4
+  cfg = MoeConfig(num_experts=num_experts, top_k=top_k, capacity_factor_train=0.75,
+                  min_capacity=1, gate=gate, renormalize_gates=renormalize,
+                  routed_scaling_factor=scaling, router=router)
+  logits = _tied_logits(top_k, g, s, num_experts)
+  gs = gates_lib.gate_scores(logits, num_experts, gate)
+  routing, aux = jax.jit(lambda x: router(x, cfg, train=True, sequence_length=12))(gs)
+  capacity = s if router.dropless else expert_capacity(s, num_experts, 0.75, 1)
+  assert routing.capacity == capacity
+  dropped = 0
+  for gi in range(g):
+    scores, _ = reference_gates(logits[gi], num_experts, gate)
+    np.testing.assert_allclose(scores, gs.scores[gi], rtol=1e-6)
+    expert, kept, gates = reference_token_choice(
+        np.asarray(gs.scores[gi], np.float64), top_k, capacity, renormalize,
+        router.batch_prioritized, scaling)
+    np.testing.assert_array_equal(routing.expert_index[gi], expert)
+    np.testing.assert_array_equal(routing.kept[gi], kept)
+    np.testing.assert_allclose(routing.gates[gi], gates, rtol=1e-6, atol=1e-7)
+    dropped += (~kept).sum()
+  if router.dropless:
+    assert dropped == 0
+  else:
+    assert dropped > 0, "the case must overflow experts"
+  assert float(aux["drop_fraction"]) == pytest.approx(dropped / (g * s * top_k))
+  # Kept choices occupy distinct slots below capacity.
+  dispatch = np.asarray(dispatch_mask(routing, num_experts))
+  assert dispatch.sum() == routing.kept.sum() and dispatch.max() == 1
+  assert np.all(dispatch.sum(axis=1) <= 1)
+
+
+def test_batch_prioritized_serves_confident_tokens_first():
+  # 4 tokens all want e0 (capacity 2): sequence order keeps t0, t1; BPR keeps the two
+  # with the highest top-1 score (t3, t2).
+  probs = jnp.asarray([[[0.5, 0.5 - 1e-3], [0.6, 0.4], [0.8, 0.2], [0.9, 0.1]]])
+  plain = top_k_capacity_routing(probs, 1, 2)
+  bpr = top_k_capacity_routing(probs, 1, 2, batch_prioritized=True)
+  np.testing.assert_array_equal(plain.kept[0, :, 0], [True, True, False, False])
+  np.testing.assert_array_equal(bpr.kept[0, :, 0], [False, False, True, True])
+  np.testing.assert_array_equal(bpr.slot[0, 2:, 0], [1, 0])
+
+
+def test_gate_functions_renormalisation_and_scaling_hand_computed():
+  logits = jnp.asarray([[[0.0, math.log(3.0), 0.0, -1.0]]])
+  soft = gates_lib.gate_scores(logits, 4, "softmax")
+  denominator = 1 + 3 + 1 + math.exp(-1)
+  np.testing.assert_allclose(soft.scores[0, 0], np.array([1, 3, 1, math.exp(-1)])
+                             / denominator, rtol=1e-6)
+  sig = gates_lib.gate_scores(logits, 4, "sigmoid")
+  np.testing.assert_allclose(sig.scores[0, 0], [0.5, 0.75, 0.5, 1 / (1 + math.e)],
+                             rtol=1e-6)
+  np.testing.assert_allclose(sig.probs[0, 0].sum(), 1.0, rtol=1e-6)
+  # Top-2 sigmoid gates (e1: 0.75, e0: 0.5 -- tie with e2 goes to the lower index),
+  # renormalised to 0.6 / 0.4, then scaled by 2.5 -> 1.5 / 1.0.
+  cfg = MoeConfig(num_experts=4, top_k=2, min_capacity=4, gate="sigmoid",
+                  renormalize_gates=True, routed_scaling_factor=2.5)
+  routing, _ = TokenChoiceRouter()(sig, cfg, train=True, sequence_length=1)
+  np.testing.assert_array_equal(routing.expert_index[0, 0], [1, 0])
+  np.testing.assert_allclose(routing.gates[0, 0], [1.5, 1.0], rtol=1e-6)
+  np.testing.assert_allclose(gates_lib.renormalise(
+      jnp.asarray([0.2, 0.3, 0.5]), jnp.asarray([True, True, False])), [0.4, 0.6, 0.0])
+  # Jointly gated shared experts: their logits are extra rows of one softmax.
+  joint = gates_lib.gate_scores(jnp.concatenate([logits, jnp.zeros((1, 1, 1))], -1), 4,
+                                "softmax")
+  np.testing.assert_allclose(joint.shared[0, 0], [1 / (denominator + 1)], rtol=1e-6)
+  np.testing.assert_allclose(joint.probs[0, 0], soft.scores[0, 0], rtol=1e-6)
+  with pytest.raises(ValueError, match="gate"):
+    MoeConfig(gate="relu")

@@ -2,7 +2,9 @@
 
 A dispatcher is called as `dispatcher(x_gsd, routing, expert_fn) -> y_gsd` where
 `expert_fn` maps per-expert buffers [E, n, d] -> [E, n, d]. It honours the drop
-decisions in `routing` exactly; it never re-routes.
+decisions in `routing` exactly; it never re-routes. Token choice (k = top-k options
+per token) and expert choice (k = E options, option e = expert e) arrive in the same
+`Routing` form, so one dispatch mechanism serves both.
 """
 from typing import Callable
 

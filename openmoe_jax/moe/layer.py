@@ -9,8 +9,8 @@ from openmoe_jax.config import MoeConfig
 from openmoe_jax.layers.mlp import gated_hidden, mlp_params
 from openmoe_jax.moe import losses
 from openmoe_jax.moe.dispatch import EinsumDispatcher
-from openmoe_jax.moe.routers import (Router, expert_capacity, routing_stats,
-                                     top_k_capacity_routing)
+from openmoe_jax.moe.gates import gate_scores
+from openmoe_jax.moe.routers import Router
 
 
 def group_tokens(x_btd: jax.Array, group_size: int) -> jax.Array:
@@ -48,10 +48,18 @@ class Experts(nn.Module):
 
 
 class MoeLayer(nn.Module):
-  """Token-choice top-k MoE feed-forward: [b, t, d] -> ([b, t, d], aux).
+  """Routed MoE feed-forward (+ optional shared experts): [b, t, d] -> ([b, t, d], aux).
 
-  aux holds the float32 scalars `lb_loss`, `z_loss`, `drop_fraction`,
-  `router_entropy` and the vector `expert_load` [E].
+  The router is `config.router` (token choice or expert choice, chosen in gin).
+  aux holds float32 scalars `lb_loss`, `z_loss`, `tokenwise_lb_loss`,
+  `drop_fraction`, `drop_fraction_last_quarter`, `router_entropy`,
+  `no_expert_fraction`, `experts_per_token_{mean,min,max}` and `expert_load` [E].
+
+  Sown `intermediates/routing` (read with `apply(..., mutable=["intermediates"])`):
+  `expert_index`, `gates`, `kept`, each [b, t, k]. Token choice: k = top_k, option j
+  is the token's j-th choice. Expert choice: k = E, `expert_index[b, t, e] = e` and
+  `kept[b, t, e]` says whether expert e took the token (gate 0 where not).
+  Training with `router.jitter_noise > 0` needs a "jitter" rng.
   """
 
   config: MoeConfig
@@ -64,33 +72,44 @@ class MoeLayer(nn.Module):
   def __call__(self, x_btd: jax.Array, *, train: bool
                ) -> Tuple[jax.Array, Dict[str, jax.Array]]:
     cfg = self.config
+    b, t = x_btd.shape[:2]
     x_gsd = group_tokens(x_btd, cfg.group_size)
     x_gsd = nn.with_logical_constraint(x_gsd, ("expert_group", "length", "act_embed"))
-    logits_gse = Router(cfg.num_experts, cfg.router_init_std, name="router")(x_gsd)
-    probs_gse = jax.nn.softmax(logits_gse, axis=-1)
-    capacity = expert_capacity(x_gsd.shape[1], cfg.num_experts,
-                               cfg.capacity_factor(train), cfg.min_capacity)
-    routing = top_k_capacity_routing(probs_gse, cfg.top_k, capacity,
-                                     cfg.renormalize_gates)
+    gated_shared = cfg.num_shared_experts if cfg.shared_experts_gated else 0
+    logits_gsx = Router(cfg.num_experts, cfg.router_init_std, gated_shared,
+                        name="router")(self._jitter(x_gsd, train))
+    gs = gate_scores(logits_gsx, cfg.num_experts, cfg.gate)
+    routing, aux = cfg.router(gs, cfg, train=train, sequence_length=t)
     experts = Experts(cfg.num_experts, self.mlp_kind, self.d_ff, self.dtype,
                       name="experts")
     y_gsd = self.dispatcher(x_gsd, routing, experts, cfg.num_experts)
-    aux = routing_stats(routing, probs_gse)
-    aux["drop_fraction_last_quarter"] = _late_drop_fraction(routing, x_btd.shape[:2])
-    aux["lb_loss"] = losses.load_balancing_loss(probs_gse, routing.expert_index)
-    aux["z_loss"] = losses.router_z_loss(logits_gse)
-    # Per-token routing for analysis: `apply(..., mutable=["intermediates"])`.
-    b, t = x_btd.shape[:2]
+    if cfg.num_shared_experts:
+      y_gsd = y_gsd + self._shared(x_gsd, gs.shared if gated_shared else None)
+    aux["z_loss"] = losses.router_z_loss(logits_gsx)
     self.sow("intermediates", "routing", {
         "expert_index": routing.expert_index.reshape(b, t, -1),
         "gates": routing.gates.reshape(b, t, -1),
         "kept": routing.kept.reshape(b, t, -1)})
     return y_gsd.reshape(x_btd.shape).astype(self.dtype), aux
 
+  def _jitter(self, x_gsd: jax.Array, train: bool) -> jax.Array:
+    """Returns the router input, times U(1 - eps, 1 + eps) noise in training."""
+    eps = self.config.router.jitter_noise
+    if not train or not eps:
+      return x_gsd
+    noise = jax.random.uniform(self.make_rng("jitter"), x_gsd.shape, jnp.float32,
+                               1.0 - eps, 1.0 + eps)
+    return x_gsd * noise.astype(x_gsd.dtype)
 
-def _late_drop_fraction(routing, batch_length) -> jax.Array:
-  """Returns the drop fraction of (token, choice) pairs in the last quarter of each
-  sequence (OpenMoE's drop-towards-the-end)."""
-  b, t = batch_length
-  kept_btk = routing.kept.reshape(b, t, -1)
-  return 1.0 - jnp.mean(kept_btk[:, t - max(t // 4, 1):].astype(jnp.float32))
+  def _shared(self, x_gsd: jax.Array, gates_gsS) -> jax.Array:
+    """Returns the shared experts' summed output [g, s, d] (gated when gates given)."""
+    cfg = self.config
+    g, s, d = x_gsd.shape
+    num_shared = cfg.num_shared_experts
+    shared = Experts(num_shared, self.mlp_kind, cfg.shared_expert_d_ff or self.d_ff,
+                     self.dtype, name="shared_experts")
+    x_Snd = jnp.broadcast_to(x_gsd.reshape(1, g * s, d), (num_shared, g * s, d))
+    y_Sgsd = shared(x_Snd).reshape(num_shared, g, s, d)
+    if gates_gsS is None:
+      return jnp.sum(y_Sgsd, axis=0)
+    return jnp.einsum("Sgsd,gsS->gsd", y_Sgsd, gates_gsS.astype(y_Sgsd.dtype))

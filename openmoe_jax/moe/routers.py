@@ -1,9 +1,12 @@
-"""Routers: token-choice top-k with ST-MoE capacity and priority.
+"""Routing core: the `Routing` record, capacity, token-choice priority, statistics.
 
-A router turns router probabilities into a `Routing`: for each token (grouped
-[g, s]) and each of its k choices, the expert, the slot in that expert's buffer,
-whether the choice was kept (slot < capacity) and its combine weight. Dispatch
-engines (dispatch.py) consume a `Routing` and never re-decide drops.
+A router (routers_token_choice.py, routers_expert_choice.py; chosen in gin through
+`MoeConfig.router`) turns `GateScores` of grouped tokens [g, s] into a `Routing`:
+for each token and each of its k options, the expert, the slot in that expert's
+buffer, whether the option is kept and its combine weight. Token choice has k = top-k
+choices; expert choice has k = E options (option e is expert e, kept where expert e
+took the token). Dispatch engines (dispatch.py) consume any `Routing` the same way
+and never re-decide drops.
 """
 from typing import Dict
 
@@ -17,11 +20,11 @@ import jax.numpy as jnp
 class Routing:
   """Routing decisions for grouped tokens; all arrays are [g, s, k]."""
 
-  expert_index: jax.Array  # int32 chosen expert
+  expert_index: jax.Array  # int32 expert of the option
   slot: jax.Array  # int32 position in the expert's buffer (valid where kept)
   kept: jax.Array  # bool: served within capacity
-  gates: jax.Array  # float32 combine weight, 0 where dropped
-  capacity: int = flax.struct.field(pytree_node=False)
+  gates: jax.Array  # float32 combine weight, 0 where not kept
+  capacity: int = flax.struct.field(pytree_node=False)  # buffer slots per expert
 
 
 def expert_capacity(tokens_per_group: int, num_experts: int, capacity_factor: float,
@@ -31,17 +34,23 @@ def expert_capacity(tokens_per_group: int, num_experts: int, capacity_factor: fl
 
 
 def top_k_capacity_routing(probs_gse: jax.Array, top_k: int, capacity: int,
-                           renormalize: bool = False) -> Routing:
+                           renormalize: bool = False,
+                           batch_prioritized: bool = False) -> Routing:
   """Returns ST-MoE token-choice routing with capacity.
 
   Priority as in flaxformer: every token's 1st choice is served before any token's
-  2nd choice, and within one choice rank tokens are served in sequence order. A
+  2nd choice, and within one choice rank tokens are served in sequence order (or, with
+  `batch_prioritized`, in order of decreasing top-1 score, ties by position). A
   choice whose expert is already full is dropped (its gate becomes 0). Gates are the
-  router probabilities of the chosen experts, optionally renormalised over the top-k
-  (before dropping).
+  scores of the chosen experts, optionally renormalised over the top-k (before
+  dropping). `capacity >= s` serves every choice (dropless).
   """
   g, s, num_experts = probs_gse.shape
   gates_gsk, expert_gsk = jax.lax.top_k(probs_gse.astype(jnp.float32), top_k)
+  order_gs = None
+  if batch_prioritized:
+    order_gs = jnp.argsort(-gates_gsk[..., 0], axis=1, stable=True)
+    expert_gsk = jnp.take_along_axis(expert_gsk, order_gs[..., None], axis=1)
   if renormalize:
     gates_gsk = gates_gsk / jnp.sum(gates_gsk, axis=-1, keepdims=True)
   onehot_gkse = jax.nn.one_hot(jnp.swapaxes(expert_gsk, 1, 2), num_experts,
@@ -51,6 +60,10 @@ def top_k_capacity_routing(probs_gse: jax.Array, top_k: int, capacity: int,
   position_gne = jnp.cumsum(order_gne, axis=1) - 1
   slot_gks = jnp.sum(position_gne * order_gne, axis=-1).reshape(g, top_k, s)
   slot_gsk = jnp.swapaxes(slot_gks, 1, 2).astype(jnp.int32)
+  if batch_prioritized:  # back to sequence order
+    inverse_gs = jnp.argsort(order_gs, axis=1)
+    expert_gsk = jnp.take_along_axis(expert_gsk, inverse_gs[..., None], axis=1)
+    slot_gsk = jnp.take_along_axis(slot_gsk, inverse_gs[..., None], axis=1)
   kept_gsk = slot_gsk < capacity
   return Routing(expert_index=expert_gsk.astype(jnp.int32), slot=slot_gsk,
                  kept=kept_gsk, gates=jnp.where(kept_gsk, gates_gsk, 0.0),
@@ -72,16 +85,47 @@ def routing_stats(routing: Routing, probs_gse: jax.Array) -> Dict[str, jax.Array
   }
 
 
+def token_stats(routing: Routing, probs_gse: jax.Array, dropped_gsj: jax.Array,
+                sequence_length: int) -> Dict[str, jax.Array]:
+  """Returns `routing_stats` with drop_fraction taken from `dropped_gsj` (what the
+  router counts as dropped), plus drop_fraction_last_quarter (last quarter of each
+  sequence), no_expert_fraction (tokens served by no expert) and
+  experts_per_token_{mean,min,max}."""
+  stats = routing_stats(routing, probs_gse)
+  dropped = dropped_gsj.astype(jnp.float32)
+  t = sequence_length
+  stats["drop_fraction"] = jnp.mean(dropped)
+  stats["drop_fraction_last_quarter"] = jnp.mean(
+      dropped.reshape(-1, t, dropped.shape[-1])[:, t - max(t // 4, 1):])
+  count_gs = jnp.sum(routing.kept.astype(jnp.float32), axis=-1)
+  stats["no_expert_fraction"] = jnp.mean((count_gs == 0).astype(jnp.float32))
+  stats["experts_per_token_mean"] = jnp.mean(count_gs)
+  stats["experts_per_token_min"] = jnp.min(count_gs)
+  stats["experts_per_token_max"] = jnp.max(count_gs)
+  return stats
+
+
 class Router(nn.Module):
-  """Linear router without bias, in float32: [g, s, d] -> logits [g, s, E]."""
+  """Linear router without bias, in float32: [g, s, d] -> logits [g, s, E + S].
+
+  The last `num_shared` columns are the logits of jointly gated shared experts; they
+  come from their own parameter `w_shared`, not from the routed experts' `w`.
+  """
 
   num_experts: int
   init_std: float = 0.02
+  num_shared: int = 0
 
   @nn.compact
   def __call__(self, x_gsd: jax.Array) -> jax.Array:
-    w_de = self.param(
-        "w", nn.with_logical_partitioning(nn.initializers.normal(self.init_std),
-                                          ("embed", "unmodeled")),
-        (x_gsd.shape[-1], self.num_experts), jnp.float32)
-    return jnp.einsum("gsd,de->gse", x_gsd.astype(jnp.float32), w_de)
+    def weight(name, width):
+      return self.param(
+          name, nn.with_logical_partitioning(nn.initializers.normal(self.init_std),
+                                             ("embed", "unmodeled")),
+          (x_gsd.shape[-1], width), jnp.float32)
+    x_gsd = x_gsd.astype(jnp.float32)
+    logits_gse = jnp.einsum("gsd,de->gse", x_gsd, weight("w", self.num_experts))
+    if not self.num_shared:
+      return logits_gse
+    shared_gsS = jnp.einsum("gsd,de->gse", x_gsd, weight("w_shared", self.num_shared))
+    return jnp.concatenate([logits_gse, shared_gsS], axis=-1)

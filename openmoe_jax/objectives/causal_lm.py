@@ -23,13 +23,12 @@ class CausalLm:
   def __call__(self, model: nn.Module, params: Any, batch: Dict[str, jax.Array],
                rng: jax.Array, *, train: bool) -> Tuple[jax.Array, Dict[str, jax.Array]]:
     """Returns (total loss incl. router aux losses, dict of scalar metrics)."""
-    del rng  # deterministic objective
     logits_btv, aux = model.apply(
         {"params": params}, batch["decoder_input_tokens"],
         positions_bt=batch.get("decoder_positions"),
         segment_ids_bt=batch.get("decoder_segment_ids"),
         prefix_bt=batch.get("decoder_causal_attention"),
-        attention_kind=self.attention_kind, train=train)
+        attention_kind=self.attention_kind, train=train, rngs={"jitter": rng})
     lm_loss, metrics = weighted_cross_entropy(
         logits_btv, batch["decoder_target_tokens"], batch["decoder_loss_weights"],
         self.z_loss)

@@ -40,6 +40,13 @@ def moe_metrics(aux: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
   metrics["moe/drop_fraction_last_quarter"] = jnp.mean(aux["drop_fraction_last_quarter"])
   metrics["moe/router_entropy"] = jnp.mean(aux["router_entropy"])
   metrics["moe/expert_load_cv"] = jnp.mean(cv_l)
+  if "tokenwise_lb_loss" in aux:
+    metrics["moe/tokenwise_lb_loss"] = aux["tokenwise_lb_loss"]
+  if "no_expert_fraction" in aux:
+    metrics["moe/no_expert_fraction"] = jnp.mean(aux["no_expert_fraction"])
+    metrics["moe/experts_per_token_mean"] = jnp.mean(aux["experts_per_token_mean"])
+    metrics["moe/experts_per_token_min"] = jnp.min(aux["experts_per_token_min"])
+    metrics["moe/experts_per_token_max"] = jnp.max(aux["experts_per_token_max"])
   for i in range(load_le.shape[0]):
     metrics[f"moe/layer_{i}/drop_fraction"] = aux["drop_fraction"][i]
     metrics[f"moe/layer_{i}/drop_fraction_last_quarter"] = (
