@@ -1,0 +1,293 @@
+"""Masked diffusion: noise schedule, masking, loss weights, ELBO, sampler, a tiny run."""
+import math
+from typing import Any
+
+import flax.linen as nn
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from openmoe_jax import gin_utils
+from openmoe_jax.config import ModelConfig, MoeConfig
+from openmoe_jax.model import Decoder
+from openmoe_jax.moe.routers_expert_choice import ExpertChoiceRouter
+from openmoe_jax.objectives import MaskedDiffusion, diffusion_elbo
+from openmoe_jax.objectives import diffusion as dl
+from openmoe_jax.data.vocabulary import get_vocabulary, mask_token_id
+from openmoe_jax.sampling_diffusion import (gumbel_argmax, sample_diffusion,
+                                            transfer_schedule)
+
+V, MASK = 64, 3
+TINY = ModelConfig(vocab_size=V, d_model=16, num_heads=2, head_dim=8, d_ff=24,
+                   num_layers=2, sparse_interval=2,
+                   moe=MoeConfig(num_experts=4, group_size=4096, min_capacity=64))
+
+
+class _Calls:
+  """A list holder (flax turns list attributes into tuples)."""
+
+  def __init__(self):
+    self.items = []
+
+
+class FixedLogits(nn.Module):
+  """Stub decoder: logits = bias + 20 * one_hot(answer) (or uniform without answer);
+  records the tokens and segment ids it was called with."""
+
+  vocab: int = V
+  answer_bt: Any = None
+  calls: Any = None
+
+  @nn.compact
+  def __call__(self, tokens_bt, *, positions_bt=None, segment_ids_bt=None,
+               prefix_bt=None, attention_kind="causal", train=False):
+    if self.calls is not None:
+      self.calls.items.append((tokens_bt, segment_ids_bt, attention_kind))
+    bias_v = self.param("bias", nn.initializers.zeros, (self.vocab,))
+    logits_btv = jnp.broadcast_to(bias_v, tokens_bt.shape + (self.vocab,))
+    if self.answer_bt is not None:
+      logits_btv = logits_btv + 20.0 * jax.nn.one_hot(self.answer_bt, self.vocab)
+    zero = jnp.zeros((), jnp.float32)
+    return logits_btv, {"aux_loss": zero, "lb_loss": zero, "z_loss": zero}
+
+
+def _batch(b=4, t=16, seed=1, weights=None):
+  targets_bt = np.asarray(jax.random.randint(jax.random.PRNGKey(seed), (b, t), 7, V))
+  weights_bt = np.ones((b, t), np.float32) if weights is None else weights
+  return {"decoder_target_tokens": jnp.asarray(targets_bt, jnp.int32),
+          "decoder_input_tokens": jnp.full((b, t), 5, jnp.int32),
+          "decoder_loss_weights": jnp.asarray(weights_bt),
+          "decoder_segment_ids": jnp.ones((b, t), jnp.int32),
+          "decoder_positions": jnp.broadcast_to(jnp.arange(t), (b, t))}
+
+
+def _stub_params(model):  # every stub has the same single bias parameter
+  del model
+  return FixedLogits().init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  model = Decoder(TINY)
+  params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0),
+                                        jnp.zeros((1, 16), jnp.int32)))["params"]
+  return model, params
+
+
+def test_antithetic_times_cover_eps_to_one_evenly():
+  eps, n = 1e-3, 1000
+  t_b = np.sort(np.asarray(dl.antithetic_times(jax.random.PRNGKey(3), n, eps)))
+  assert t_b.min() >= eps and t_b.max() < 1.0
+  np.testing.assert_allclose(np.diff(t_b), (1 - eps) / n, rtol=1e-3)
+
+
+def test_masking_rate_matches_t_and_skips_unscored_tokens():
+  b, t = 32, 4000
+  loss_bt = jnp.asarray(np.arange(t)[None] % 4 != 0).repeat(b, 0)
+  t_b = dl.antithetic_times(jax.random.PRNGKey(0), b, 1e-3)
+  masked_bt = np.asarray(dl.bernoulli_mask(jax.random.PRNGKey(1), loss_bt, t_b))
+  assert not masked_bt[:, ::4].any()
+  rate_b = masked_bt.sum(1) / (0.75 * t)
+  sigma_b = np.sqrt(np.asarray(t_b) * (1 - np.asarray(t_b)) / (0.75 * t)) + 1e-3
+  assert np.all(np.abs(rate_b - np.asarray(t_b)) < 5 * sigma_b)
+
+
+def test_force_one_mask_and_exact_count_mask():
+  loss_bt = jnp.asarray([[1, 1, 1, 0], [0, 0, 0, 0], [1, 0, 1, 1]], bool)
+  tiny_t = jnp.full((3,), 1e-6)
+  forced = np.asarray(dl.bernoulli_mask(jax.random.PRNGKey(0), loss_bt, tiny_t))
+  assert list(forced.sum(1)) == [1, 0, 1] and not (forced & ~np.asarray(loss_bt)).any()
+  free = np.asarray(dl.bernoulli_mask(jax.random.PRNGKey(0), loss_bt, tiny_t, False))
+  assert not free.any()
+  exact = np.asarray(dl.exact_count_mask(jax.random.PRNGKey(0), loss_bt,
+                                         jnp.asarray([2, 1, 3])))
+  assert list(exact.sum(1)) == [2, 0, 3] and not (exact & ~np.asarray(loss_bt)).any()
+
+
+def test_random_truncation_cuts_loss_and_isolates_the_tail():
+  loss_bt, seg_bt = jnp.ones((2, 50), bool), jnp.ones((2, 50), jnp.int32)
+  cut_loss, cut_seg = dl.random_truncation(jax.random.PRNGKey(0), loss_bt, seg_bt, 1.0)
+  n = int(np.asarray(cut_loss)[0].sum())
+  assert 1 <= n <= 50 and np.asarray(cut_loss)[:, :n].all()
+  np.testing.assert_array_equal(np.asarray(cut_seg), np.asarray(cut_loss).astype(int))
+  same = dl.random_truncation(jax.random.PRNGKey(0), loss_bt, seg_bt, 0.0)
+  np.testing.assert_array_equal(np.asarray(same[0]), np.asarray(loss_bt))
+
+
+def test_model_sees_corrupted_targets_bidirectionally_and_predicts_its_own_token():
+  batch, calls = _batch(), _Calls()
+  obj = MaskedDiffusion(mask_id=MASK, truncate_prob=0.0)
+  own = FixedLogits(answer_bt=batch["decoder_target_tokens"], calls=calls)
+  _, metrics = obj(own, _stub_params(own), batch, jax.random.PRNGKey(4), train=True)
+  tokens_bt, segment_ids_bt, kind = calls.items[-1]
+  tokens_bt = np.asarray(tokens_bt)
+  targets_bt = np.asarray(batch["decoder_target_tokens"])
+  masked_bt = tokens_bt == MASK
+  assert kind == "bidirectional" and masked_bt.any()
+  np.testing.assert_array_equal(tokens_bt[~masked_bt], targets_bt[~masked_bt])
+  np.testing.assert_array_equal(np.asarray(segment_ids_bt),
+                                np.asarray(batch["decoder_segment_ids"]))
+  assert float(metrics["masked_accuracy"]) == 1.0 and float(metrics["ce_loss"]) < 1e-3
+  shifted = FixedLogits(answer_bt=jnp.roll(batch["decoder_target_tokens"], -1, axis=1))
+  _, metrics = obj(shifted, _stub_params(shifted), batch, jax.random.PRNGKey(4),
+                   train=True)
+  assert float(metrics["masked_accuracy"]) < 0.2 and float(metrics["ce_loss"]) > 5.0
+
+
+@pytest.mark.parametrize("weighting", ["mdlm", "llada"])
+def test_loss_matches_hand_computed_weights(weighting):
+  weights_bt = np.ones((2, 6), np.float32)
+  weights_bt[1, 4:] = 0  # padding: never masked, never scored
+  batch = _batch(b=2, t=6, weights=weights_bt)
+  logits_btv = jax.random.normal(jax.random.PRNGKey(7), (2, 6, V))
+
+  class Random(FixedLogits):
+    @nn.compact
+    def __call__(self, tokens_bt, **kwargs):
+      return logits_btv + self.param("bias", nn.initializers.zeros, (V,)), {
+          "aux_loss": jnp.zeros(()), "lb_loss": jnp.zeros(()), "z_loss": jnp.zeros(())}
+
+  obj = MaskedDiffusion(mask_id=MASK, weighting=weighting, truncate_prob=0.0)
+  model, rng = Random(), jax.random.PRNGKey(5)
+  loss, metrics = obj(model, _stub_params(model), batch, rng, train=True)
+  _, masked_bt, _, t_b, _ = obj.corrupt(batch, jax.random.split(rng)[0], train=True)
+  masked_bt, t_b = np.asarray(masked_bt), np.asarray(t_b)
+  assert not masked_bt[1, 4:].any()
+  logp = np.asarray(jax.nn.log_softmax(logits_btv))
+  targets = np.asarray(batch["decoder_target_tokens"])
+  expected = 0.0
+  for i in range(2):
+    n_loss = weights_bt[i].sum()
+    w = 1 / t_b[i] if weighting == "mdlm" else n_loss / masked_bt[i].sum()
+    expected += sum(-logp[i, j, targets[i, j]] * w for j in range(6) if masked_bt[i, j])
+  np.testing.assert_allclose(float(loss), expected / weights_bt.sum(), rtol=1e-5)
+  assert float(metrics["num_tokens"]) == 10
+  np.testing.assert_allclose(float(metrics["mask_fraction"]), masked_bt.sum() / 10)
+
+
+@pytest.mark.parametrize("weighting,force", [("mdlm", False), ("llada", True)])
+def test_uniform_model_expected_loss_is_log_v(weighting, force):
+  model = FixedLogits()
+  params, batch = _stub_params(model), _batch(b=8, t=64)
+  obj = MaskedDiffusion(mask_id=MASK, weighting=weighting, force_one_mask=force)
+  ce_loss = lambda r: obj(model, params, batch, r, train=True)[1]["ce_loss"]
+  loss_fn = jax.jit(jax.vmap(ce_loss))
+  losses = np.asarray(loss_fn(jax.random.split(jax.random.PRNGKey(0), 256)))
+  assert abs(losses.mean() - math.log(V)) < 0.03 * math.log(V)
+  if weighting == "llada":  # 1 / realised fraction: exact for every draw
+    np.testing.assert_allclose(losses, math.log(V), rtol=1e-5)
+
+
+@pytest.mark.parametrize("expert_choice", [False, True])
+def test_gradients_flow_through_token_and_expert_choice_moe(tiny, expert_choice):
+  model, params = tiny
+  if expert_choice:  # no causality to break: a natural router for DLMs
+    cfg = TINY.replace(moe=TINY.moe.replace(router=ExpertChoiceRouter(level="sequence")))
+    model = Decoder(cfg)
+    params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0),
+                                          jnp.zeros((1, 16), jnp.int32)))["params"]
+  obj, batch = MaskedDiffusion(mask_id=MASK), _batch()
+  grads, metrics = jax.jit(jax.grad(
+      lambda p: obj(model, p, batch, jax.random.PRNGKey(1), train=True),
+      has_aux=True))(params)
+  norms = {jax.tree_util.keystr(k): float(jnp.linalg.norm(g))
+           for k, g in jax.tree_util.tree_leaves_with_path(grads)}
+  assert all(np.isfinite(v) for v in norms.values())
+  assert norms["['head']"] > 0 and any(v > 0 for k, v in norms.items() if "moe" in k)
+  assert "moe/aux_loss" in metrics and float(metrics["mask_fraction"]) > 0
+
+
+def test_elbo_is_seeded_exact_for_uniform_and_its_error_shrinks(tiny):
+  model, params = tiny
+  batch = _batch(b=2, t=16)
+  a = diffusion_elbo(model, params, batch, jax.random.PRNGKey(0), 4, mask_id=MASK)
+  b = diffusion_elbo(model, params, batch, jax.random.PRNGKey(0), 4, mask_id=MASK)
+  assert a == b and np.isfinite(a["nelbo"])
+  many = diffusion_elbo(model, params, batch, jax.random.PRNGKey(0), 32, mask_id=MASK)
+  assert many["stderr"] < a["stderr"]
+  np.testing.assert_allclose(many["perplexity_bound"], math.exp(many["nelbo"]))
+  stub = FixedLogits()
+  uniform = diffusion_elbo(stub, _stub_params(stub), batch, jax.random.PRNGKey(1), 3,
+                           mask_id=MASK)
+  np.testing.assert_allclose(uniform["nelbo"], math.log(V), rtol=1e-6)
+  mdlm = diffusion_elbo(stub, _stub_params(stub), _batch(b=8, t=64),
+                        jax.random.PRNGKey(1), 64, mask_id=MASK, estimator="mdlm")
+  assert abs(mdlm["nelbo"] - math.log(V)) < 4 * mdlm["stderr"] + 0.02
+
+
+def test_transfer_schedule_spreads_tokens_evenly():
+  count_s, end_s = transfer_schedule(gen_length=8, steps=6, block_length=4)
+  assert list(count_s) == [2, 1, 1, 2, 1, 1] and list(end_s) == [4, 4, 4, 8, 8, 8]
+  with pytest.raises(ValueError, match="multiple"):
+    transfer_schedule(gen_length=8, steps=3, block_length=4)
+
+
+def test_gumbel_sampling_matches_softmax():
+  logits_v = jnp.log(jnp.asarray([0.6, 0.3, 0.1]))
+  logits_btv = jnp.broadcast_to(logits_v, (1, 30000, 3))
+  tokens = np.asarray(gumbel_argmax(jax.random.PRNGKey(0), logits_btv, 1.0))
+  np.testing.assert_allclose(np.bincount(tokens[0], minlength=3) / 30000,
+                             [0.6, 0.3, 0.1], atol=0.01)
+  assert (np.asarray(gumbel_argmax(None, logits_btv, 0.0)) == 0).all()
+
+
+@pytest.mark.parametrize("remasking", ["low_confidence", "random"])
+def test_sampler_fills_blocks_left_to_right_on_schedule(tiny, remasking):
+  model, params = tiny
+  prompt = np.asarray([[9, 10, 11, MASK], [12, 13, 14, 15]])
+  kwargs = dict(gen_length=8, steps=6, block_length=4, remasking=remasking,
+                mask_id=MASK, vocab_limit=60)
+  out, hist = sample_diffusion(model, params, prompt, rng=jax.random.PRNGKey(0),
+                               temperature=1.0, return_history=True, **kwargs)
+  np.testing.assert_array_equal(out[:, :4], prompt)
+  assert not (out[:, 4:] == MASK).any() and (out < 60).all()
+  count_s, end_s = transfer_schedule(8, 6, 4)
+  masks_s = (hist[:, :, 4:] == MASK).sum(-1)
+  np.testing.assert_array_equal(masks_s, (8 - np.cumsum(count_s))[:, None].repeat(2, 1))
+  for s, end in enumerate(end_s):
+    assert (hist[s, :, 4 + end:] == MASK).all()
+  again = sample_diffusion(model, params, prompt, rng=jax.random.PRNGKey(0),
+                           temperature=1.0, **kwargs)
+  np.testing.assert_array_equal(out, again)
+
+
+def test_greedy_low_confidence_sampling_ignores_the_seed(tiny):
+  model, params = tiny
+  run = lambda seed: sample_diffusion(
+      model, params, [9, 10, 11], gen_length=8, steps=8, block_length=8,
+      temperature=0.0, rng=jax.random.PRNGKey(seed), mask_id=MASK)
+  np.testing.assert_array_equal(run(0), run(1))
+
+
+def test_gin_file_builds_the_objective_with_the_vocabulary_mask():
+  gin_utils.import_configurables()
+  gin_utils.parse_gin(["objectives/masked_diffusion.gin"], finalize=False)
+  objective = MaskedDiffusion()
+  assert gin.query_parameter("train.objective").selector == "MaskedDiffusion"
+  assert objective.mask_id == mask_token_id(get_vocabulary()) == 6
+
+
+_TINY_BINDINGS = [  # as tests/test_train.py
+    "ModelConfig.d_model = 32", "ModelConfig.num_heads = 2", "ModelConfig.head_dim = 16",
+    "ModelConfig.d_ff = 64", "ModelConfig.num_layers = 2", "MoeConfig.num_experts = 4",
+    "MoeConfig.group_size = 64", "SEQUENCE_LENGTH = 64", "BATCH_SIZE = 8",
+    "train.eval_batches = 2", "train.log_every_steps = 1",
+]
+
+
+@pytest.mark.slow
+def test_three_step_quickstart_run_with_diffusion(tmp_path):
+  from openmoe_jax.trainer import train  # pylint: disable=g-import-not-at-top
+  gin_utils.import_configurables()
+  gin_utils.parse_gin(
+      ["runs/quickstart.gin", "objectives/masked_diffusion.gin"],
+      _TINY_BINDINGS + [f"MODEL_DIR = '{tmp_path}'", "TRAIN_STEPS = 3",
+                       "adamw_warmup_cosine.warmup_steps = 1", "SEQUENCE_LENGTH = 32",
+                       "MoeConfig.group_size = 32", "train.eval_batches = 1"])
+  lines = []
+  summary = train(print_fn=lines.append)
+  assert summary["final_step"] == 3
+  assert np.isfinite([summary["first_eval_loss"], summary["last_eval_loss"]]).all()
+  assert any("eval @ step 3" in line for line in lines)
