@@ -95,7 +95,18 @@ def plan(topology: str, batch_size: int, sequence_length: int = 2048,
                    in_shardings=(state_sh, batch_sh, partitioning.replicated(mesh)),
                    out_shardings=(state_sh, partitioning.replicated(mesh)),
                    donate_argnums=(0,))
-    compiled = step.lower(state, batch, rng).compile()
+    lowered = step.lower(state, batch, rng)
+    try:
+      compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      # The TPU compiler refuses programs that cannot fit; that is the answer.
+      return {"topology": topology, "device_kind": kind, "num_chips": num_chips,
+              "num_devices": len(devices), "mesh": dict(mesh.shape),
+              "batch_size": batch_size, "sequence_length": sequence_length,
+              "hbm_bytes_per_chip": hbm_per_chip, "hbm_bytes_per_device": hbm_per_device,
+              "fits": False, "compiler_message": str(e).splitlines()[0][:500]}
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -123,6 +134,9 @@ def plan(topology: str, batch_size: int, sequence_length: int = 2048,
 def format_report(report: Dict[str, Any]) -> str:
   """Returns the report as readable lines."""
   gib = lambda b: f"{b / GIB:.2f} GiB"
+  if "compiler_message" in report:
+    return (f"{report['topology']}: mesh {report['mesh']}, batch {report['batch_size']} "
+            f"x {report['sequence_length']}: DOES NOT FIT ({report['compiler_message']})")
   lines = [
       f"{report['topology']} ({report['device_kind']}): {report['num_chips']} chips, "
       f"{report['num_devices']} devices, mesh {report['mesh']}",

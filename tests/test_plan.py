@@ -47,3 +47,11 @@ def test_cli_json(capsys):
   assert report["batch_size"] == 8 and report["sequence_length"] == 256
   with pytest.raises(SystemExit, match="usage"):
     plan.main(["--gin_file=models/quickstart_moe.gin"])
+
+
+def test_a_step_that_cannot_fit_is_reported_not_raised():
+  _configure("ModelConfig.d_model = 4096", "ModelConfig.d_ff = 16384",
+             "ModelConfig.num_layers = 8", "MoeConfig.num_experts = 64")
+  report = plan.plan("v5e:2x2", batch_size=64, sequence_length=2048)
+  assert report["fits"] is False and "HBM" in report["compiler_message"]
+  assert "DOES NOT FIT" in plan.format_report(report)
