@@ -280,14 +280,18 @@ class _Loop:
                   f"accuracy {metrics['accuracy']:.3f} "
                   f"drop_fraction {metrics.get('moe/drop_fraction', 0.0):.3f}")
 
-  def log(self, step, history, elapsed, compiled_in_window, progress):
+  def log(self, step, history, window_start, compiled_in_window, progress):
     """Writes the mean metrics of the steps in `history` and a progress line."""
-    tokens_per_sec = len(history) * self.tokens_per_batch / elapsed
+    # Fetching the metrics waits for the window's steps (dispatch is asynchronous),
+    # so the clock is read after it.
+    means = _mean_metrics(history)
+    tokens_per_sec = len(history) * self.tokens_per_batch / (
+        time.perf_counter() - window_start)
     if not compiled_in_window:
       self.steady_tokens_per_sec.append(tokens_per_sec)
     # Routing statistics of training batches go under "moe/", as TensorBoard groups.
     scalars = {k if k.startswith("moe/") else f"train/{k}": v
-               for k, v in _mean_metrics(history).items()}
+               for k, v in means.items()}
     scalars["train/tokens_per_sec"] = tokens_per_sec
     self.logger.write(step, scalars)
     progress.update(step, scalars["train/loss"], tokens_per_sec)
@@ -323,7 +327,7 @@ class _Loop:
       state, metrics = self.train_step(state, self.to_device(next(data)), self.rng)
       history.append(metrics)
       if step % log_every == 0 or step == train_steps:
-        self.log(step, history, time.perf_counter() - window_start,
+        self.log(step, history, window_start,
                  compiled_in_window=step - len(history) == start, progress=progress)
         history, window_start = [], time.perf_counter()
       self.ckpt.save(step, state, {"train_batches": step})
