@@ -12,6 +12,7 @@ from typing import Iterator, Optional
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
+import gin  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 import seqio  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -19,6 +20,9 @@ import tensorflow as tf  # pylint: disable=g-import-not-at-top
 BATCH_KEYS = ("decoder_input_tokens", "decoder_target_tokens",
               "decoder_loss_weights", "decoder_segment_ids",
               "decoder_positions")
+# Added to BATCH_KEYS for tasks with "inputs" (prefix LM / UL2): 1 on the
+# inputs prefix plus the position that reads the last input token.
+PREFIX_KEY = "decoder_causal_attention"
 
 
 def _hide_accelerators_from_tf() -> None:
@@ -43,6 +47,31 @@ def vocabulary_for(mixture_or_task_name: str) -> seqio.Vocabulary:
   return provider.output_features["targets"].vocabulary
 
 
+@gin.configurable
+def feature_converter(provider: seqio.DatasetProviderBase, sequence_length: int,
+                      pack: bool, inputs_fraction: float = 0.5,
+                      converter_cls: Optional[type] = None):
+  """Returns (seqio feature converter, task feature lengths) for a task/mixture.
+
+  Default: `DecoderFeatureConverter` with {"targets": sequence_length} for
+  causal-LM tasks; for tasks with "inputs" (UL2), `PrefixLMFeatureConverter`
+  with inputs = round(inputs_fraction * sequence_length) and the rest targets,
+  concatenated into rows of `sequence_length`. gin may force `converter_cls`.
+  """
+  has_inputs = "inputs" in provider.output_features
+  if converter_cls is None:
+    converter_cls = (seqio.PrefixLMFeatureConverter if has_inputs
+                     else seqio.DecoderFeatureConverter)
+  if not has_inputs:
+    return converter_cls(pack=pack), {"targets": sequence_length}
+  inputs = int(round(inputs_fraction * sequence_length))
+  if not 0 < inputs < sequence_length:
+    raise ValueError(f"inputs_fraction {inputs_fraction} leaves no inputs or "
+                     f"no targets in {sequence_length} tokens")
+  return converter_cls(pack=pack), {"inputs": inputs,
+                                    "targets": sequence_length - inputs}
+
+
 def _with_segments(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
   """Adds segment ids / positions to an unpacked batch (one segment per row)."""
   if "decoder_segment_ids" not in batch:
@@ -50,7 +79,8 @@ def _with_segments(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     batch["decoder_segment_ids"] = real
     positions = np.arange(real.shape[-1], dtype=np.int32)
     batch["decoder_positions"] = positions[None, :] * real
-  return {k: np.asarray(batch[k], dtype=np.int32) for k in BATCH_KEYS}
+  keys = BATCH_KEYS + ((PREFIX_KEY,) if PREFIX_KEY in batch else ())
+  return {k: np.asarray(batch[k], dtype=np.int32) for k in keys}
 
 
 def get_dataset(
@@ -70,8 +100,10 @@ def get_dataset(
   """Returns an iterator of int32 batches of shape [batch_size, sequence_length].
 
   Keys: BATCH_KEYS (decoder_{input,target}_tokens, _loss_weights,
-  _segment_ids, _positions). Packing puts several documents per row (segment
-  ids 1, 2, ..., positions restart at 0; padding has segment 0 and weight 0).
+  _segment_ids, _positions), plus PREFIX_KEY for tasks with "inputs" (UL2:
+  loss weights on the targets only; see `feature_converter`). Packing puts
+  several documents per row (segment ids 1, 2, ..., positions restart at 0;
+  padding has segment 0 and weight 0).
   `skip_batches` drops that many batches first (resume); `num_batches` caps
   the count; `repeat=False` gives one pass (validation: also shuffle=False).
   `shard_index`/`num_shards` select this host's share of the examples.
@@ -79,10 +111,12 @@ def get_dataset(
   tasks.register_tasks()
   shard_info = (seqio.ShardInfo(index=shard_index, num_shards=num_shards)
                 if num_shards > 1 else None)
+  converter, lengths = feature_converter(
+      seqio.get_mixture_or_task(mixture_or_task_name), sequence_length, pack)
   ds = seqio.get_dataset(
       mixture_or_task_name,
-      task_feature_lengths={"targets": sequence_length},
-      feature_converter=seqio.DecoderFeatureConverter(pack=pack),
+      task_feature_lengths=lengths,
+      feature_converter=converter,
       dataset_split=split,
       shuffle=shuffle,
       num_epochs=None if repeat else 1,
