@@ -85,6 +85,7 @@ setuptools.setup(
             "openmoe-analyze=openmoe_jax.analysis.cli:main",
             "openmoe-params=openmoe_jax.param_count:main",
             "openmoe-plan=openmoe_jax.plan:main",
+            "openmoe-sample=openmoe_jax.sample:main",
         ],
     },
 )

@@ -71,7 +71,7 @@ def _select_steps(available: List[int], spec: str) -> List[int]:
 
 def record_checkpoints(args, say: Callable[[str], None]):
   """Returns (records ordered by step, meta dict) for the chosen checkpoints."""
-  from openmoe_jax.analysis.run_loader import load_run, restore_params  # heavy imports
+  from openmoe_jax.run_loader import load_run, restore_params  # heavy imports
   from openmoe_jax.data import pipeline
   tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
   run = load_run(args.model_dir, vocab_task=tasks[0])
@@ -154,7 +154,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       raise SystemExit(f"no step_*.npz in {args.from_records}")
     records = [RoutingRecord.load(p) for p in paths]
     if args.model_dir:  # the run's vocabulary settings, for decoding token ids
-      from openmoe_jax.analysis.run_loader import load_run  # pylint: disable=g-import-not-at-top
+      from openmoe_jax.run_loader import load_run  # pylint: disable=g-import-not-at-top
       load_run(args.model_dir, vocab_task=records[-1].task_names[0])
     meta_path = os.path.join(args.from_records, "meta.json")
     meta = {"model_dir": args.model_dir, "tasks": records[-1].task_names,

@@ -1,4 +1,4 @@
-"""Loading a trained run for analysis: its gin config, model config and checkpoints."""
+"""Loading a trained run (analysis, sampling): its gin config, model config, checkpoints."""
 import dataclasses
 import os
 from typing import Any, List, Optional

@@ -1,0 +1,129 @@
+"""Sampling from a trained run: `openmoe-sample --model_dir=DIR --prompt="def f("`.
+
+Autoregressive decoding (greedy, temperature, top-p) for causal LM / UL2 runs, and
+iterative unmasking (sampling_diffusion.py) for masked-diffusion runs; `--mode=auto`
+picks by the run's objective. The model runs without a KV cache (each new token
+re-reads the whole fixed-length buffer under a causal mask): simple and exact, fine at
+quickstart scale, O(T^2) in general. Routing serves every choice (capacity = tokens
+per group) so that the padding after the cursor cannot displace a token's experts.
+"""
+import argparse
+import functools
+import sys
+from typing import Any, Optional
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from openmoe_jax.config import ModelConfig
+from openmoe_jax.model import Decoder
+from openmoe_jax.sampling_diffusion import sample_diffusion
+
+
+def serving_config(cfg: ModelConfig) -> ModelConfig:
+  """Returns `cfg` with evaluation capacity large enough that nothing is dropped."""
+  return cfg.replace(moe=cfg.moe.replace(
+      capacity_factor_eval=float(max(cfg.moe.num_experts, 1))))
+
+
+def filter_top_p(logits_v: jax.Array, top_p: float) -> jax.Array:
+  """Returns logits with the tokens outside the smallest set of probability mass
+  >= top_p set to -inf (the most likely token always stays)."""
+  order_v = jnp.argsort(-logits_v)
+  probs_v = jax.nn.softmax(logits_v[order_v])
+  keep_sorted_v = jnp.cumsum(probs_v) - probs_v < top_p
+  keep_v = jnp.zeros_like(keep_sorted_v).at[order_v].set(keep_sorted_v)
+  return jnp.where(keep_v, logits_v, -jnp.inf)
+
+
+@functools.lru_cache(maxsize=8)
+def _next_token_fn(model: Decoder, temperature: float, top_p: float,
+                   vocab_limit: Optional[int]):
+  """Returns a jitted (params, tokens_1t, cursor, rng) -> next token id."""
+  def next_token(params, tokens_1t, cursor, rng):
+    logits_1tv, _ = model.apply({"params": params}, tokens_1t, train=False)
+    logits_v = jax.lax.dynamic_index_in_dim(logits_1tv[0], cursor - 1, keepdims=False)
+    if vocab_limit is not None:
+      logits_v = jnp.where(jnp.arange(logits_v.shape[0]) < vocab_limit, logits_v, -jnp.inf)
+    if temperature == 0.0:
+      return jnp.argmax(logits_v)
+    logits_v = filter_top_p(logits_v / temperature, top_p)
+    return jax.random.categorical(rng, logits_v)
+  return jax.jit(next_token)
+
+
+def sample_autoregressive(model: Decoder, params: Any, prompt_ids, *, max_new_tokens: int,
+                          temperature: float = 0.0, top_p: float = 1.0,
+                          rng: Optional[jax.Array] = None, eos_id: Optional[int] = None,
+                          vocab_limit: Optional[int] = None) -> np.ndarray:
+  """Returns the prompt followed by up to `max_new_tokens` sampled ids (stops after
+  `eos_id`). temperature 0 is greedy; top_p < 1 samples from the nucleus."""
+  prompt = [int(i) for i in prompt_ids] or [0]  # seqio decoders start from id 0
+  tokens_1t = np.zeros((1, len(prompt) + max_new_tokens), np.int32)
+  tokens_1t[0, :len(prompt)] = prompt
+  step = _next_token_fn(model, float(temperature), float(top_p), vocab_limit)
+  rng = jax.random.PRNGKey(0) if rng is None else rng
+  cursor = len(prompt)
+  for i in range(max_new_tokens):
+    token = int(step(params, jnp.asarray(tokens_1t), cursor, jax.random.fold_in(rng, i)))
+    tokens_1t[0, cursor] = token
+    cursor += 1
+    if token == eos_id:
+      break
+  return tokens_1t[0, :cursor]
+
+
+def _is_diffusion_run() -> bool:
+  try:
+    objective = gin.query_parameter("train.objective")
+  except ValueError:
+    return False
+  return "MaskedDiffusion" in str(objective)
+
+
+def main(argv=None) -> int:
+  """CLI: prints the continuation of --prompt sampled from --model_dir."""
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--model_dir", required=True)
+  parser.add_argument("--prompt", default="")
+  parser.add_argument("--mode", choices=["auto", "ar", "diffusion"], default="auto")
+  parser.add_argument("--step", type=int, help="checkpoint step (default: latest)")
+  parser.add_argument("--max_new_tokens", type=int, default=64)
+  parser.add_argument("--temperature", type=float, default=0.0)
+  parser.add_argument("--top_p", type=float, default=1.0)
+  parser.add_argument("--steps", type=int, default=32, help="diffusion: denoising steps")
+  parser.add_argument("--block_length", type=int, help="diffusion: semi-AR block length")
+  parser.add_argument("--remasking", choices=["low_confidence", "random"],
+                      default="low_confidence")
+  parser.add_argument("--seed", type=int, default=0)
+  args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+  from openmoe_jax import run_loader  # pylint: disable=g-import-not-at-top
+  from openmoe_jax.data import pipeline, vocabulary  # pylint: disable=g-import-not-at-top
+  run = run_loader.load_run(args.model_dir)
+  params = run_loader.restore_params(args.model_dir, args.step or run.steps[-1])
+  vocab = pipeline.vocabulary_for(run.mixture_or_task_name)
+  model = Decoder(serving_config(run.config))
+  prompt_ids = vocab.encode(args.prompt)
+  rng = jax.random.PRNGKey(args.seed)
+  diffusion = args.mode == "diffusion" or (args.mode == "auto" and _is_diffusion_run())
+  if diffusion:
+    out = sample_diffusion(model, params, prompt_ids or [0], gen_length=args.max_new_tokens,
+                           steps=args.steps, block_length=args.block_length,
+                           remasking=args.remasking, temperature=args.temperature,
+                           rng=rng, mask_id=vocabulary.mask_token_id(vocab),
+                           vocab_limit=vocab.vocab_size)[0]
+  else:
+    out = sample_autoregressive(model, params, prompt_ids, max_new_tokens=args.max_new_tokens,
+                                temperature=args.temperature, top_p=args.top_p, rng=rng,
+                                eos_id=vocab.eos_id, vocab_limit=vocab.vocab_size)
+  new_ids = [int(i) for i in out[max(len(prompt_ids), 1):]]
+  if vocab.eos_id in new_ids:
+    new_ids = new_ids[:new_ids.index(vocab.eos_id)]
+  print(args.prompt + vocab.decode(new_ids))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,68 @@
+"""Autoregressive sampling and the openmoe-sample command."""
+import flax.linen as nn
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from openmoe_jax import gin_utils, sample
+from openmoe_jax.config import ModelConfig, MoeConfig
+from openmoe_jax.model import Decoder
+from openmoe_jax.trainer import train
+
+CFG = ModelConfig(vocab_size=64, d_model=16, num_heads=2, head_dim=8, d_ff=24,
+                  num_layers=2, sparse_interval=2,
+                  moe=MoeConfig(num_experts=4, group_size=4096, capacity_factor_eval=0.5,
+                                min_capacity=1, router_init_std=1.0))
+
+
+def _params():
+  return nn.unbox(Decoder(CFG).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)))[
+      "params"]
+
+
+def test_greedy_equals_growing_the_prompt_one_token_at_a_time():
+  params, model = _params(), Decoder(sample.serving_config(CFG))
+  got = sample.sample_autoregressive(model, params, [5, 9, 3], max_new_tokens=6)
+  tokens = [5, 9, 3]
+  for _ in range(6):  # exact-length inputs: no padding after the cursor at all
+    logits, _ = model.apply({"params": params}, jnp.asarray([tokens]), train=False)
+    tokens.append(int(jnp.argmax(logits[0, -1])))
+  assert got.tolist() == tokens
+
+
+def test_serving_config_never_drops():
+  assert sample.serving_config(CFG).moe.capacity_factor_eval == 4.0
+
+
+def test_top_p_keeps_the_nucleus_and_sampling_is_seeded():
+  logits = jnp.log(jnp.asarray([0.5, 0.3, 0.15, 0.05]))
+  kept = np.isfinite(np.asarray(sample.filter_top_p(logits, 0.7)))
+  assert kept.tolist() == [True, True, False, False]
+  assert np.isfinite(np.asarray(sample.filter_top_p(logits, 0.01))).sum() == 1
+  params, model = _params(), Decoder(sample.serving_config(CFG))
+  run = lambda seed: sample.sample_autoregressive(
+      model, params, [1, 2], max_new_tokens=8, temperature=1.0, top_p=0.9,
+      rng=jax.random.PRNGKey(seed), vocab_limit=60).tolist()
+  assert run(3) == run(3)
+  assert all(t < 60 for t in run(4))
+
+
+@pytest.mark.slow
+def test_cli_samples_from_a_trained_run(tmp_path, capsys):
+  model_dir = tmp_path / "run"
+  gin_utils.import_configurables()
+  gin_utils.parse_gin(["runs/quickstart.gin"], [
+      "ModelConfig.d_model = 32", "ModelConfig.num_heads = 2", "ModelConfig.head_dim = 16",
+      "ModelConfig.d_ff = 64", "ModelConfig.num_layers = 2", "MoeConfig.num_experts = 4",
+      "MoeConfig.group_size = 64", "SEQUENCE_LENGTH = 64", "BATCH_SIZE = 8",
+      "train.eval_batches = 1", "adamw_warmup_cosine.warmup_steps = 1",
+      f"MODEL_DIR = '{model_dir}'", "TRAIN_STEPS = 2"])
+  train(print_fn=lambda *_: None)
+  gin.clear_config()
+  capsys.readouterr()
+  for mode in ("ar", "diffusion"):
+    assert sample.main([f"--model_dir={model_dir}", "--prompt=def ", f"--mode={mode}",
+                        "--max_new_tokens=8", "--steps=4"]) == 0
+    assert capsys.readouterr().out.startswith("def ")
