@@ -86,6 +86,7 @@ setuptools.setup(
             "openmoe-params=openmoe_jax.param_count:main",
             "openmoe-plan=openmoe_jax.plan:main",
             "openmoe-sample=openmoe_jax.sample:main",
+            "openmoe-eval=openmoe_jax.evaluate:main",
         ],
     },
 )

@@ -24,7 +24,7 @@ class Run:
   steps: List[int]
 
 
-def _query(name: str, default: Any = None) -> Any:
+def query(name: str, default: Any = None) -> Any:
   """Returns the bound value of `name` (macros resolved), or `default` if unbound."""
   try:
     value = gin.query_parameter(name)
@@ -45,15 +45,15 @@ def load_run(model_dir: str, vocab_task: Optional[str] = None) -> Run:
   gin.clear_config()
   gin_utils.import_configurables()
   gin_utils.parse_gin([path], finalize=False)
-  mixture = _query("train.mixture_or_task_name")
+  mixture = query("train.mixture_or_task_name")
   vocab = pipeline.vocabulary_for(vocab_task or mixture)
   steps = Checkpointer(model_dir).all_steps()
   if not steps:
     raise FileNotFoundError(f"no checkpoint in {model_dir}/checkpoints")
   return Run(model_dir=model_dir, config=build_model_config(None, vocab.vocab_size),
              mixture_or_task_name=mixture,
-             sequence_length=int(_query("train.sequence_length", 256)),
-             batch_size=int(_query("train.batch_size", 8)), steps=steps)
+             sequence_length=int(query("train.sequence_length", 256)),
+             batch_size=int(query("train.batch_size", 8)), steps=steps)
 
 
 def restore_params(model_dir: str, step: int) -> Any:

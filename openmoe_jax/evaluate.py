@@ -1,0 +1,76 @@
+"""Evaluation of a trained run: `openmoe-eval --model_dir=DIR [--task=NAME]`.
+
+Causal LM and UL2 runs: token-weighted cross-entropy on the targets (UL2: targets
+only) and its perplexity, with the run's own objective at the evaluation capacity.
+Masked-diffusion runs: the perplexity upper bound from the ELBO, estimated with
+`--num_samples` Monte Carlo draws per batch (fixed seeds) and its standard error.
+"""
+import argparse
+import json
+import math
+import sys
+from typing import Any, Dict
+
+import jax
+
+from openmoe_jax.model import Decoder
+from openmoe_jax.objectives import CausalLm, MaskedDiffusion, diffusion_elbo
+
+
+def evaluate_diffusion(model: Decoder, params: Any, batches, objective: MaskedDiffusion,
+                       mask_id: int, num_samples: int, seed: int = 0) -> Dict[str, float]:
+  """Returns the token-weighted negative ELBO over `batches`, its standard error
+  (batches independent) and the perplexity bound exp(nelbo)."""
+  total = weight = var = 0.0
+  for i, batch in enumerate(batches):
+    result = diffusion_elbo(model, params, batch, jax.random.PRNGKey(seed + i),
+                            num_samples, mask_id=mask_id, eps=objective.eps)
+    n = result["num_tokens"]
+    total += result["nelbo"] * n
+    var += (result["stderr"] * n) ** 2
+    weight += n
+  if weight == 0:
+    raise ValueError("evaluation saw no target tokens: is the split empty?")
+  nelbo = total / weight
+  return {"nelbo": nelbo, "stderr": math.sqrt(var) / weight,
+          "perplexity_bound": math.exp(nelbo), "num_tokens": weight,
+          "num_samples": num_samples}
+
+
+def main(argv=None) -> int:
+  """CLI: prints one JSON object with the run's validation metrics."""
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--model_dir", required=True)
+  parser.add_argument("--task", help="mixture or task (default: the run's own)")
+  parser.add_argument("--split", default="validation")
+  parser.add_argument("--num_batches", type=int, default=8)
+  parser.add_argument("--num_samples", type=int, default=16, help="diffusion: ELBO draws")
+  parser.add_argument("--step", type=int, help="checkpoint step (default: latest)")
+  parser.add_argument("--seed", type=int, default=0)
+  args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+  from openmoe_jax import run_loader, trainer  # pylint: disable=g-import-not-at-top
+  from openmoe_jax.data import pipeline, vocabulary  # pylint: disable=g-import-not-at-top
+  run = run_loader.load_run(args.model_dir)
+  step = args.step or run.steps[-1]
+  params = run_loader.restore_params(args.model_dir, step)
+  objective = run_loader.query("train.objective") or CausalLm()
+  task = args.task or run.mixture_or_task_name
+  batches = pipeline.get_dataset(task, run.sequence_length, run.batch_size,
+                                 split=args.split, shuffle=False, repeat=False,
+                                 num_batches=args.num_batches)
+  model = Decoder(run.config)
+  if isinstance(objective, MaskedDiffusion):
+    mask_id = objective.mask_id or vocabulary.mask_token_id(pipeline.vocabulary_for(task))
+    result = evaluate_diffusion(model, params, batches, objective, mask_id,
+                                args.num_samples, args.seed)
+  else:
+    eval_step = jax.jit(trainer.make_eval_step(model, objective))
+    result = trainer.evaluate(eval_step, params, batches, lambda b: b)
+    result["perplexity"] = math.exp(result["ce_loss"])
+  result.update(step=step, task=task, objective=type(objective).__name__)
+  print(json.dumps(result, sort_keys=True))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
