@@ -4,13 +4,14 @@
 checkpoints, TensorBoard events, metrics.jsonl and the operative config.gin.
 """
 import contextlib
+import dataclasses
 import functools
 import math
 import os
 import signal
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence
 
 import flax.linen as nn
 import flax.struct
@@ -178,6 +179,23 @@ def _mean_metrics(history) -> Dict[str, float]:
 
 
 @gin.configurable
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  """From `start_step` on, train on `mixture_or_task_name` with `objective` (None:
+  train's objective), e.g. OpenMoE's UL2 stage on a code-heavy mixture, then causal
+  LM on a mixture with less code."""
+
+  start_step: int
+  mixture_or_task_name: str
+  objective: Any = None
+
+
+def stage_index(stages, step: int) -> int:
+  """Returns the index of the stage that runs training step `step` (1-based)."""
+  return max(i for i, stage in enumerate(stages) if stage.start_step < max(step, 1))
+
+
+@gin.configurable
 def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRED,
           train_steps: int = gin.REQUIRED, batch_size: int = gin.REQUIRED,
           sequence_length: int = gin.REQUIRED,
@@ -187,16 +205,23 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
           eval_split: str = "validation", log_every_steps: int = 10,
           checkpoint_every_steps: int = 100, keep_checkpoints: int = 3,
           seed: int = 0, num_devices: Optional[int] = None, microbatches: int = 1,
-          distributed: Optional[bool] = None,
+          distributed: Optional[bool] = None, stages: Sequence[Stage] = (),
           print_fn: Callable[[str], None] = print) -> Dict[str, Any]:
   """Trains (or resumes) a Decoder; returns a summary dict (first/last eval loss,
   tokens/s, final step, train loss).
+
+  `stages`: a schedule of `Stage`s (the first starts at step 0); the switch happens
+  at the given step and survives resume. Empty: one stage on mixture_or_task_name.
 
   `distributed`: call `jax.distributed.initialize()` (multi-host pods); None detects
   a multi-host TPU VM from its environment.
   """
   maybe_initialize_distributed(distributed)
   objective = objective or CausalLm()
+  stages = tuple(stages) or (Stage(0, mixture_or_task_name, objective),)
+  if stages[0].start_step != 0 or any(
+      a.start_step >= b.start_step for a, b in zip(stages, stages[1:])):
+    raise ValueError(f"train.stages must start at step 0 and increase: {stages}")
   vocab = pipeline.vocabulary_for(mixture_or_task_name)
   cfg = build_model_config(model_config, vocab.vocab_size)
   model = Decoder(cfg)
@@ -223,23 +248,36 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
     start = int(state.step)
     _print_model_summary(print_fn, cfg, abstract.params, mesh)
     gin_utils.write_operative_config(model_dir)
-    train_step = jax.jit(make_train_step(model, objective, optimizer, microbatches),
-                         in_shardings=(state_sh, batch_sh, partitioning.replicated(mesh)),
-                         out_shardings=(state_sh, partitioning.replicated(mesh)),
-                         donate_argnums=(0,))
-    eval_step = jax.jit(make_eval_step(model, objective))
     host_data = functools.partial(
-        pipeline.get_dataset, mixture_or_task_name, sequence_length,
-        batch_size // jax.process_count(), shard_index=jax.process_index(),
+        pipeline.get_dataset, sequence_length=sequence_length,
+        batch_size=batch_size // jax.process_count(), shard_index=jax.process_index(),
         num_shards=jax.process_count())
-    run_eval = lambda params: evaluate(eval_step, params, host_data(
-        split=eval_split, shuffle=False, repeat=False, num_batches=eval_batches),
-        to_device)
-    data = host_data(seed=seed, skip_batches=position["train_batches"])
+
+    @functools.lru_cache(maxsize=None)
+    def stage_parts(index: int):
+      """Returns (train_step, run_eval, data) of stage `index`; data resumes."""
+      stage = stages[index]
+      stage_objective = stage.objective or objective
+      train_step = jax.jit(
+          make_train_step(model, stage_objective, optimizer, microbatches),
+          in_shardings=(state_sh, batch_sh, partitioning.replicated(mesh)),
+          out_shardings=(state_sh, partitioning.replicated(mesh)), donate_argnums=(0,))
+      eval_step = jax.jit(make_eval_step(model, stage_objective))
+      run_eval = lambda params: evaluate(eval_step, params, host_data(
+          stage.mixture_or_task_name, split=eval_split, shuffle=False, repeat=False,
+          num_batches=eval_batches), to_device)
+      skip = max(position["train_batches"] - stage.start_step, 0)
+      data = host_data(stage.mixture_or_task_name, seed=seed + index, skip_batches=skip)
+      if len(stages) > 1:
+        print_fn(f"Stage {index}: {stage.mixture_or_task_name} with "
+                 f"{type(stage_objective).__name__} from step {stage.start_step}")
+      return train_step, run_eval, data
+
+    parts = lambda step: stage_parts(stage_index(stages, step))
     logger = MetricsLogger(model_dir, is_chief=jax.process_index() == 0)
-    loop = _Loop(train_step, run_eval, to_device, ckpt, logger, print_fn, rng,
+    loop = _Loop(parts, to_device, ckpt, logger, print_fn, rng,
                  tokens_per_batch=batch_size * sequence_length)
-    summary = loop.run(state, data, train_steps, eval_every_steps, log_every_steps)
+    summary = loop.run(state, train_steps, eval_every_steps, log_every_steps)
     ckpt.close()
     logger.close()
   return summary
@@ -262,9 +300,9 @@ def maybe_initialize_distributed(enabled: Optional[bool]) -> bool:
 class _Loop:
   """Runs the steps with periodic logging, evaluation and checkpoints."""
 
-  def __init__(self, train_step, run_eval, to_device, ckpt, logger, print_fn, rng,
-               tokens_per_batch):
-    self.train_step, self.run_eval, self.to_device = train_step, run_eval, to_device
+  def __init__(self, parts, to_device, ckpt, logger, print_fn, rng, tokens_per_batch):
+    # parts(step) -> (train_step, run_eval, data iterator) of the stage running `step`.
+    self.parts, self.to_device = parts, to_device
     self.ckpt, self.logger, self.print_fn = ckpt, logger, print_fn
     self.rng, self.tokens_per_batch = rng, tokens_per_batch
     self.summary: Dict[str, Any] = {}
@@ -272,7 +310,7 @@ class _Loop:
 
   def evaluate(self, step, params):
     """Logs and prints validation metrics at `step`."""
-    metrics = self.run_eval(params)
+    metrics = self.parts(step)[1](params)
     self.logger.write(step, {f"eval/{k}": v for k, v in metrics.items()})
     self.summary.setdefault("first_eval_loss", metrics["ce_loss"])
     self.summary["last_eval_loss"] = metrics["ce_loss"]
@@ -297,7 +335,7 @@ class _Loop:
     progress.update(step, scalars["train/loss"], tokens_per_sec)
     self.summary["last_train_loss"] = scalars["train/ce_loss"]
 
-  def run(self, state, data, train_steps, eval_every, log_every) -> Dict[str, Any]:
+  def run(self, state, train_steps, eval_every, log_every) -> Dict[str, Any]:
     """Trains from state.step to train_steps; returns the run summary."""
     start = int(state.step)
     self.summary["start_step"] = start
@@ -305,8 +343,8 @@ class _Loop:
       self.evaluate(start, state.params)
     progress = ProgressPrinter(train_steps, start, print_fn=self.print_fn)
     with _sigterm_flag() as preempted:
-      state = self._steps(state, data, start, train_steps, eval_every, log_every,
-                          progress, preempted)
+      state = self._steps(state, start, train_steps, eval_every, log_every, progress,
+                          preempted)
     final_step = int(state.step)
     if self.ckpt.latest_step() != final_step:
       self.ckpt.save(final_step, state, {"train_batches": final_step}, force=True)
@@ -319,12 +357,13 @@ class _Loop:
     self.summary["tokens_per_sec"] = float(np.mean(steady)) if steady else float("nan")
     return self.summary
 
-  def _steps(self, state, data, start, train_steps, eval_every, log_every, progress,
+  def _steps(self, state, start, train_steps, eval_every, log_every, progress,
              preempted):
     """Runs the steps until train_steps or a SIGTERM; returns the last state."""
     history, window_start = [], time.perf_counter()
     for step in range(start + 1, train_steps + 1):
-      state, metrics = self.train_step(state, self.to_device(next(data)), self.rng)
+      train_step, _, data = self.parts(step)
+      state, metrics = train_step(state, self.to_device(next(data)), self.rng)
       history.append(metrics)
       if step % log_every == 0 or step == train_steps:
         self.log(step, history, window_start,

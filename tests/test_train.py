@@ -133,3 +133,27 @@ def test_sigterm_checkpoints_exits_cleanly_and_relaunch_resumes(tmp_path):
   assert relaunch.returncode == 0, relaunch.stderr[-3000:]
   assert f"Resumed from step {saved}" in relaunch.stdout
   assert "final_step: " + str(saved + 1) in relaunch.stdout
+
+
+@pytest.mark.slow
+def test_staged_training_switches_mixture_and_objective_and_resumes(tmp_path):
+  stages = ["train.stages = [@code/Stage(), @text/Stage()]",
+            "code/Stage.start_step = 0", "code/Stage.mixture_or_task_name = 'local_code'",
+            "text/Stage.start_step = 2", "text/Stage.mixture_or_task_name = 'local_text'",
+            "text/Stage.objective = @text/CausalLm()", "text/CausalLm.z_loss = 0.0",
+            "train.checkpoint_every_steps = 2", "train.eval_every_steps = 100",
+            "adamw_warmup_cosine.warmup_steps = 1", "adamw_warmup_cosine.total_steps = 4"]
+  straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+  _configure(straight, 4, stages)
+  lines = []
+  train(print_fn=lines.append)
+  assert any("Stage 1: local_text with CausalLm from step 2" in l for l in lines)
+  _configure(resumed, 2, stages)
+  train(print_fn=lambda *_: None)
+  _configure(resumed, 4, stages)
+  lines = []
+  train(print_fn=lines.append)
+  assert not any("Stage 0" in l for l in lines)  # resumed straight into stage 1
+  expected, got = _train_losses(straight), _train_losses(resumed)
+  for step in (3, 4):
+    assert got[step] == expected[step]

@@ -82,13 +82,19 @@ def test_reported_throughput_waits_for_the_asynchronous_steps():
     def latest_step(self): return None
     def write(self, *a, **k): return {}
 
-  loop = trainer._Loop(slow_step, lambda p: {"ce_loss": 0.0, "accuracy": 0.0},
-                       lambda b: b, _Null(), _Null(), lambda *_: None, None,
+  data = iter(lambda: {}, None)
+  parts = lambda step: (slow_step, lambda p: {"ce_loss": 0.0, "accuracy": 0.0}, data)
+  loop = trainer._Loop(parts, lambda b: b, _Null(), _Null(), lambda *_: None, None,
                        tokens_per_batch=1000)
   state = TrainState(jnp.zeros((), jnp.int32), {}, ())
   start = time.perf_counter()
-  summary = loop.run(state, iter(lambda: {}, None), train_steps=12, eval_every=1000,
-                     log_every=4)
+  summary = loop.run(state, train_steps=12, eval_every=1000, log_every=4)
   wall = time.perf_counter() - start
   # Without waiting for the steps, the rate would count dispatch time only (~100x).
   assert summary["tokens_per_sec"] < 2 * 12 * 1000 / wall
+
+
+def test_stage_index_follows_the_schedule():
+  from openmoe_jax.trainer import Stage, stage_index  # pylint: disable=g-import-not-at-top
+  stages = (Stage(0, "a"), Stage(3, "b"), Stage(5, "c"))
+  assert [stage_index(stages, s) for s in range(0, 8)] == [0, 0, 0, 0, 1, 1, 2, 2]
