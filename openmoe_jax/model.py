@@ -122,7 +122,8 @@ class Decoder(nn.Module):
     name = f"layers_{index}"
     if cfg.scan_layers:
       scanned = nn.scan(
-          self._unit_cls(True), variable_axes={"params": 0, "intermediates": 0},
+          self._unit_cls(True),
+          variable_axes={"params": 0, "intermediates": 0, "cache": 0},
           split_rngs={"params": True, "jitter": True},
           in_axes=(nn.broadcast, nn.broadcast),
           length=repeats, metadata_params={nn.PARTITION_NAME: "layers"})

@@ -24,12 +24,23 @@ def _params():
 
 def test_greedy_equals_growing_the_prompt_one_token_at_a_time():
   params, model = _params(), Decoder(sample.serving_config(CFG))
-  got = sample.sample_autoregressive(model, params, [5, 9, 3], max_new_tokens=6)
+  got = sample.sample_autoregressive(model, params, [5, 9, 3], max_new_tokens=6,
+                                     kv_cache=False)
   tokens = [5, 9, 3]
   for _ in range(6):  # exact-length inputs: no padding after the cursor at all
     logits, _ = model.apply({"params": params}, jnp.asarray([tokens]), train=False)
     tokens.append(int(jnp.argmax(logits[0, -1])))
   assert got.tolist() == tokens
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_kv_cache_sampler_equals_the_sampler_without_cache(temperature):
+  params, model = _params(), Decoder(sample.serving_config(CFG))
+  run = lambda cache: sample.sample_autoregressive(
+      model, params, [5, 9, 3, 7], max_new_tokens=7, temperature=temperature,
+      top_p=0.95, rng=jax.random.PRNGKey(2), kv_cache=cache).tolist()
+  assert run(True) == run(False)
+  assert len(run(True)) == 11
 
 
 def test_serving_config_never_drops():

@@ -40,7 +40,13 @@ def make_attention_mask(kind: str, length: int,
 
 
 class Attention(nn.Module):
-  """Self-attention: [b, t, d] -> [b, t, d]; scores and softmax in float32."""
+  """Self-attention: [b, t, d] -> [b, t, d]; scores and softmax in float32.
+
+  Decoding: when `apply` makes the "cache" collection mutable, keys and values are
+  appended to a cache (created at the length of the first such call) and queries
+  attend causally to everything cached so far; `mask_b1tt` is then ignored (one
+  sequence per row).
+  """
 
   num_heads: int
   head_dim: int
@@ -63,6 +69,8 @@ class Attention(nn.Module):
     v_bthk = self._proj("value", x_btd)
     q_bthk = nn.with_logical_constraint(
         q_bthk, ("batch", "length", "act_heads", "act_kv"))
+    if self.is_mutable_collection("cache") and not self.is_initializing():
+      k_bthk, v_bthk, mask_b1tt = self._update_cache(k_bthk, v_bthk)
     scores_bhqk = jnp.einsum("bqhk,bshk->bhqs", q_bthk, k_bthk,
                              preferred_element_type=jnp.float32)
     scores_bhqk = scores_bhqk * (self.head_dim ** -0.5)
@@ -76,3 +84,19 @@ class Attention(nn.Module):
         (self.num_heads, self.head_dim, x_btd.shape[-1]), jnp.float32)
     out_btd = jnp.einsum("bthk,hkd->btd", out_bthk, wo.astype(self.dtype))
     return nn.with_logical_constraint(out_btd, ("batch", "length", "act_embed"))
+
+  def _update_cache(self, k_bthk, v_bthk):
+    """Writes this call's keys/values at the cache cursor; returns (all keys, all
+    values, causal mask [b, 1, t, cache length] over the cache)."""
+    cached_k = self.variable("cache", "key", jnp.zeros, k_bthk.shape, k_bthk.dtype)
+    cached_v = self.variable("cache", "value", jnp.zeros, v_bthk.shape, v_bthk.dtype)
+    cursor = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+    b, t = k_bthk.shape[:2]
+    start = cursor.value
+    cached_k.value = jax.lax.dynamic_update_slice_in_dim(cached_k.value, k_bthk, start, 1)
+    cached_v.value = jax.lax.dynamic_update_slice_in_dim(cached_v.value, v_bthk, start, 1)
+    cursor.value = start + t
+    length = cached_k.value.shape[1]
+    visible_tl = jnp.arange(length)[None, :] <= (start + jnp.arange(t))[:, None]
+    mask_b1tl = jnp.broadcast_to(visible_tl, (b, 1, t, length))
+    return cached_k.value, cached_v.value, mask_b1tl
