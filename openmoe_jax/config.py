@@ -10,6 +10,8 @@ from typing import Any, Optional, Tuple
 
 import gin
 
+from openmoe_jax.moe.dispatch import EinsumDispatcher, SortDispatcher  # noqa: F401
+from openmoe_jax.moe.dispatch_ragged import RaggedDispatcher  # noqa: F401 (gin)
 from openmoe_jax.moe.gates import GATE_KINDS
 from openmoe_jax.moe.routers_expert_choice import ExpertChoiceRouter  # noqa: F401 (gin)
 from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter
@@ -32,7 +34,10 @@ class MoeConfig:
   Shared experts (`num_shared_experts` MLPs of `shared_expert_d_ff`, None: the expert
   size) are always-on and added with weight 1, or with `shared_experts_gated` weighted
   by their own router rows (`router/w_shared`), normalised jointly with the routed
-  logits by the gate function (not renormalised, not scaled).
+  logits by the gate function (not renormalised, not scaled). `dispatcher` is the
+  dispatch engine chosen in gin: `@EinsumDispatcher()` (the default),
+  `@SortDispatcher()` (same drops, no E x C one-hots) or `@RaggedDispatcher()`
+  (grouped matmul; dropless with `TokenChoiceRouter.dropless = True`).
   """
 
   num_experts: int = 16
@@ -54,6 +59,7 @@ class MoeConfig:
   num_shared_experts: int = 0
   shared_expert_d_ff: Optional[int] = None
   shared_experts_gated: bool = False
+  dispatcher: Any = dataclasses.field(default_factory=EinsumDispatcher)
 
   def __post_init__(self):
     if self.gate not in GATE_KINDS:

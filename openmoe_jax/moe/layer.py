@@ -1,5 +1,5 @@
 """The sparse MoE feed-forward layer: router -> dispatcher -> experts -> combine."""
-from typing import Any, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import flax.linen as nn
 import jax
@@ -8,7 +8,6 @@ import jax.numpy as jnp
 from openmoe_jax.config import MoeConfig
 from openmoe_jax.layers.mlp import gated_hidden, mlp_params
 from openmoe_jax.moe import losses
-from openmoe_jax.moe.dispatch import EinsumDispatcher
 from openmoe_jax.moe.gates import gate_scores
 from openmoe_jax.moe.routers import Router
 
@@ -28,7 +27,10 @@ def group_tokens(x_btd: jax.Array, group_size: int) -> jax.Array:
 
 
 class Experts(nn.Module):
-  """E gated MLPs applied to per-expert buffers [E, n, d] -> [E, n, d]."""
+  """E gated MLPs applied to per-expert buffers [E, n, d] -> [E, n, d].
+
+  `grouped` applies them to rows sorted in contiguous expert groups instead.
+  """
 
   num_experts: int
   kind: str
@@ -36,21 +38,34 @@ class Experts(nn.Module):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x_end: jax.Array) -> jax.Array:
+  def __call__(self, x_end: jax.Array, group_sizes_e: Optional[jax.Array] = None,
+               matmul: Optional[Callable] = None) -> jax.Array:
     wi_0, wi_1, wo = mlp_params(self, self.kind, x_end.shape[-1], self.d_ff,
                                 lead=(self.num_experts,), lead_axes=("expert",),
                                 mlp_axis="expert_mlp")
     cast = lambda w: w.astype(self.dtype)
+    if group_sizes_e is not None:  # x_end is x_nd here
+      h0 = matmul(x_end, cast(wi_0), group_sizes_e)
+      h1 = matmul(x_end, cast(wi_1), group_sizes_e)
+      return matmul(gated_hidden(self.kind, h0, h1), cast(wo), group_sizes_e)
     h0 = jnp.einsum("end,edf->enf", x_end, cast(wi_0))
     h1 = jnp.einsum("end,edf->enf", x_end, cast(wi_1))
     h_enf = gated_hidden(self.kind, h0, h1)
     return jnp.einsum("enf,efd->end", h_enf, cast(wo))
 
+  def grouped(self, x_nd: jax.Array, group_sizes_e: jax.Array,
+              matmul: Callable) -> jax.Array:
+    """Returns [n, d]: row block e (of group_sizes_e[e] rows, in order) through expert
+    e, via `matmul(lhs_nd, rhs_edf, group_sizes_e)` (kernels.grouped_matmul); zeros
+    for the rows past the groups."""
+    return self(x_nd, group_sizes_e, matmul)
+
 
 class MoeLayer(nn.Module):
   """Routed MoE feed-forward (+ optional shared experts): [b, t, d] -> ([b, t, d], aux).
 
-  The router is `config.router` (token choice or expert choice, chosen in gin).
+  The router is `config.router` (token choice or expert choice) and the dispatch
+  engine `config.dispatcher` (einsum, sort or ragged), both chosen in gin.
   aux holds float32 scalars `lb_loss`, `z_loss`, `tokenwise_lb_loss`,
   `drop_fraction`, `drop_fraction_last_quarter`, `router_entropy`,
   `no_expert_fraction`, `experts_per_token_{mean,min,max}` and `expert_load` [E].
@@ -66,7 +81,6 @@ class MoeLayer(nn.Module):
   mlp_kind: str
   d_ff: int
   dtype: Any = jnp.float32
-  dispatcher: Any = EinsumDispatcher()
 
   @nn.compact
   def __call__(self, x_btd: jax.Array, *, train: bool
@@ -82,7 +96,7 @@ class MoeLayer(nn.Module):
     routing, aux = cfg.router(gs, cfg, train=train, sequence_length=t)
     experts = Experts(cfg.num_experts, self.mlp_kind, self.d_ff, self.dtype,
                       name="experts")
-    y_gsd = self.dispatcher(x_gsd, routing, experts, cfg.num_experts)
+    y_gsd = cfg.dispatcher(x_gsd, routing, experts, cfg.num_experts)
     if cfg.num_shared_experts:
       y_gsd = y_gsd + self._shared(x_gsd, gs.shared if gated_shared else None)
     aux["z_loss"] = losses.router_z_loss(logits_gsx)

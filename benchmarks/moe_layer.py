@@ -1,0 +1,145 @@
+"""MoE layer forward+backward per dispatcher vs the dense gated MLP of equal active FLOPs.
+
+Usage: python benchmarks/moe_layer.py [--quick] [--json] [--runs N] [--dispatchers a,b]
+
+Each row times `jax.jit(value_and_grad)` of the MoE layer (router + dispatch +
+experts + combine; swiglu experts) on one batch: median of `--runs` runs after
+warm-up, next to a dense swiglu MLP of hidden width top_k x expert d_ff on all tokens,
+timed in the same process. Peak bytes: temp + argument bytes of the compiled
+program (`memory_analysis()`). `capacity_factor` counts per routed choice (MaxText's
+convention: buffers hold cf x tokens x top_k / E rows per expert; the library's
+`MoeConfig.capacity_factor_train` is per token, so it gets cf x top_k); dropless rows
+have capacity_factor None and no padding beyond the grouped matmul's tile.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from openmoe_jax.config import MoeConfig  # noqa: E402
+from openmoe_jax.layers.mlp import Mlp  # noqa: E402
+from openmoe_jax.moe.dispatch import EinsumDispatcher, SortDispatcher  # noqa: E402
+from openmoe_jax.moe.dispatch_ragged import RaggedDispatcher  # noqa: E402
+from openmoe_jax.moe.layer import MoeLayer  # noqa: E402
+from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter  # noqa: E402
+
+CONFIGS = {  # name: (d_model, expert d_ff, experts, top_k, tokens)
+    "d768_f2048_e16_k2": (768, 2048, 16, 2, 4096),
+    "d512_f512_e64_k2": (512, 512, 64, 2, 4096),
+    "d512_f256_e256_k8": (512, 256, 256, 8, 4096),
+}
+QUICK_TOKENS = 1024
+CAPACITY_FACTOR = 1.25
+DISPATCHERS = {  # name: (dispatcher, dropless)
+    "einsum": (EinsumDispatcher(), False),
+    "sort": (SortDispatcher(), False),
+    "ragged_padded_cf": (RaggedDispatcher("padded"), False),
+    "ragged_padded_dropless": (RaggedDispatcher("padded"), True),
+    "ragged_dot_dropless": (RaggedDispatcher("ragged_dot"), True),
+}
+DEFAULT_DISPATCHERS = ("einsum", "sort", "ragged_padded_cf", "ragged_padded_dropless")
+
+
+def _time_and_memory(fn, *args, runs: int, warmup: int):
+  """Returns (median ms of jitted fn(*args), temp + argument bytes when compiled)."""
+  compiled = jax.jit(fn).lower(*args).compile()
+  mem = compiled.memory_analysis()
+  peak = None if mem is None else int(mem.temp_size_in_bytes
+                                      + mem.argument_size_in_bytes)
+  for _ in range(warmup):
+    jax.block_until_ready(compiled(*args))
+  times = []
+  for _ in range(runs):
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    times.append((time.perf_counter() - start) * 1e3)
+  return statistics.median(times), peak
+
+
+def _inputs(d_model: int, tokens: int):
+  """Returns (x [1, tokens, d], cotangent of the same shape)."""
+  x_btd = jax.random.normal(jax.random.PRNGKey(0), (1, tokens, d_model))
+  ct_btd = jax.random.normal(jax.random.PRNGKey(1), (1, tokens, d_model))
+  return x_btd, ct_btd
+
+
+def _fwd_bwd(module, **kwargs):
+  """Returns loss_and_grads(params, x, ct) of sum(module(x) * ct)."""
+  def loss(params, x_btd, ct_btd):
+    y = module.apply(params, x_btd, **kwargs)
+    y_btd = y[0] if isinstance(y, tuple) else y
+    return jnp.sum(y_btd.astype(jnp.float32) * ct_btd)
+  return jax.value_and_grad(loss, argnums=(0, 1))
+
+
+def dense_ms(shape, runs: int = 5, warmup: int = 2):
+  """Returns (ms, peak bytes) of the dense swiglu MLP of width top_k x d_ff."""
+  d_model, d_ff, _, top_k, tokens = shape
+  x_btd, ct_btd = _inputs(d_model, tokens)
+  mlp = Mlp("swiglu", top_k * d_ff)
+  params = nn.unbox(mlp.init(jax.random.PRNGKey(2), x_btd))
+  return _time_and_memory(_fwd_bwd(mlp), params, x_btd, ct_btd, runs=runs,
+                          warmup=warmup)
+
+
+def bench_row(config: str, shape, dispatcher: str, dense: float, runs: int = 5,
+              warmup: int = 2):
+  """Returns one result row (dict) for the MoE layer of `shape` with `dispatcher`."""
+  d_model, d_ff, experts, top_k, tokens = shape
+  engine, dropless = DISPATCHERS[dispatcher]
+  cf = None if dropless else CAPACITY_FACTOR
+  router = TokenChoiceRouter(dropless=dropless)
+  cfg = MoeConfig(num_experts=experts, top_k=top_k, group_size=tokens,
+                  capacity_factor_train=(cf or 1.0) * top_k, min_capacity=1,
+                  router=router, dispatcher=engine)
+  x_btd, ct_btd = _inputs(d_model, tokens)
+  layer = MoeLayer(cfg, "swiglu", d_ff)
+  params = nn.unbox(layer.init(jax.random.PRNGKey(2), x_btd, train=True))
+  ms, peak = _time_and_memory(_fwd_bwd(layer, train=True), params, x_btd, ct_btd,
+                              runs=runs, warmup=warmup)
+  return {"config": config, "dispatcher": dispatcher, "tokens": tokens,
+          "experts": experts, "top_k": top_k, "d_model": d_model, "d_ff": d_ff,
+          "capacity_factor": cf, "ms": round(ms, 3), "dense_ms": round(dense, 3),
+          "ratio_to_dense": round(ms / dense, 3), "peak_bytes": peak}
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help=f"{QUICK_TOKENS} tokens")
+  parser.add_argument("--json", action="store_true", help="one JSON object per row")
+  parser.add_argument("--runs", type=int, default=5)
+  parser.add_argument("--warmup", type=int, default=2)
+  parser.add_argument("--configs", default=",".join(CONFIGS))
+  parser.add_argument("--dispatchers", default=",".join(DEFAULT_DISPATCHERS),
+                      help=f"from {sorted(DISPATCHERS)}")
+  args = parser.parse_args(argv)
+  if not args.json:
+    print(f"{'config':20} {'dispatcher':24} {'tokens':>6} {'cf':>5} {'ms':>9} "
+          f"{'dense_ms':>9} {'ratio':>6} {'peak_MiB':>9}")
+  for config in args.configs.split(","):
+    shape = CONFIGS[config]
+    if args.quick:
+      shape = shape[:4] + (QUICK_TOKENS,)
+    dense, _ = dense_ms(shape, args.runs, args.warmup)
+    for dispatcher in args.dispatchers.split(","):
+      row = bench_row(config, shape, dispatcher, dense, args.runs, args.warmup)
+      if args.json:
+        print(json.dumps(row), flush=True)
+      else:
+        peak = row["peak_bytes"] / 2**20 if row["peak_bytes"] else float("nan")
+        print(f"{config:20} {dispatcher:24} {row['tokens']:6d} "
+              f"{str(row['capacity_factor']):>5} {row['ms']:9.2f} "
+              f"{row['dense_ms']:9.2f} {row['ratio_to_dense']:6.2f} {peak:9.1f}",
+              flush=True)
+
+
+if __name__ == "__main__":
+  main()

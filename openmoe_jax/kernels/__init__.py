@@ -1,0 +1,1 @@
+"""Kernels under the dispatchers: grouped matmul backends (XLA today; Pallas next)."""
