@@ -13,16 +13,7 @@ from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter
 
 
 def _run(cfg, kind, train, b=2, t=16, d=8, d_ff=12, seed=0):
-  layer = MoeLayer(cfg, kind, d_ff)
-  x_btd = jax.random.normal(jax.random.PRNGKey(seed), (b, t, d))
-  params = nn.unbox(jax.jit(lambda r, x: layer.init(r, x, train=train))(
-      jax.random.PRNGKey(seed + 1), x_btd))
-  y_btd, aux = jax.jit(lambda p, x: layer.apply(p, x, train=train))(params, x_btd)
-  p = params["params"]
-  expected, dropped = reference_moe(
-      x_btd, p["router"]["w"], p["experts"]["wi_0"], p["experts"]["wi_1"],
-      p["experts"]["wo"], cfg, kind, train)
-  return y_btd, aux, expected, dropped
+  return _run_any(cfg, train, b, t, d, d_ff, seed, kind)[:4]
 
 
 @pytest.mark.parametrize("kind", ["swiglu", "geglu", "openmoe_swiglu"])
