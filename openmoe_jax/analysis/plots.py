@@ -36,29 +36,40 @@ def plot_specialization_scores(result: Dict, path: str) -> str:
   return _save(fig, path)
 
 
-def plot_token_expert_distribution(result: Dict, path: str) -> str:
-  """Heatmaps per MoE layer: the most frequent tokens' top-1 expert distribution."""
-  dists = result["token_expert_distribution"]
-  fig, axes = plt.subplots(1, len(dists), figsize=(1.5 + 3.2 * len(dists), 8),
-                           squeeze=False, layout="constrained")
+def _expert_heatmaps(matrices, row_labels, layers, *, title, row_title, colorbar,
+                     cmap, vmax, path, figsize) -> str:
+  """Saves one [rows, experts] heatmap per MoE layer side by side; returns `path`."""
+  fig, axes = plt.subplots(1, len(matrices), figsize=figsize, squeeze=False,
+                           layout="constrained")
   image = None
-  for i, (ax, dist) in enumerate(zip(axes[0], dists)):
-    matrix = np.array(dist["distribution"])
-    image = ax.imshow(matrix, aspect="auto", cmap="viridis", vmin=0, vmax=1)
-    # Token counts do not depend on the layer: every panel has the same rows.
-    labels = [repr(t)[:14] for t in dist["text"]] if i == 0 else []
-    ax.set_yticks(range(len(dist["text"])), labels, fontsize=7)
+  for i, (ax, matrix) in enumerate(zip(axes[0], matrices)):
+    image = ax.imshow(matrix, aspect="auto", cmap=cmap, vmin=0, vmax=vmax)
+    # Rows are the same in every panel: label them once.
+    ax.set_yticks(range(len(row_labels)), row_labels if i == 0 else [], fontsize=7)
     ax.set_xticks(range(matrix.shape[1]))
     ax.set_xlabel("expert")
     if i == 0:
-      ax.set_ylabel("token (most frequent first)")
-    ax.set_title(f"layer {dist['layer']}")
-  fig.suptitle("Top-1 expert distribution of the most frequent tokens")
+      ax.set_ylabel(row_title)
+    ax.set_title(f"layer {layers[i]}")
+  fig.suptitle(title)
   if image is not None:
-    fig.colorbar(image, ax=axes[0].tolist(), label="share of the token's occurrences")
+    fig.colorbar(image, ax=axes[0].tolist(), label=colorbar)
   fig.savefig(path, dpi=110)
   plt.close(fig)
   return path
+
+
+def plot_token_expert_distribution(result: Dict, path: str) -> str:
+  """Heatmaps per MoE layer: the most frequent tokens' top-1 expert distribution."""
+  dists = result["token_expert_distribution"]
+  return _expert_heatmaps(
+      [np.array(d["distribution"]) for d in dists],
+      [repr(t)[:14] for t in dists[0]["text"]] if dists else [],
+      [d["layer"] for d in dists],
+      title="Top-1 expert distribution of the most frequent tokens",
+      row_title="token (most frequent first)",
+      colorbar="share of the token's occurrences", cmap="viridis", vmax=1.0, path=path,
+      figsize=(1.5 + 3.2 * len(dists), 8))
 
 
 def plot_drop_by_position(result: Dict, path: str) -> str:
@@ -108,21 +119,8 @@ def plot_domain_load(result: Dict, path: str) -> str:
   """Heatmap per MoE layer: expert load (share of top-k choices) per task."""
   load_tle = np.array(result["load"])
   num_layers = load_tle.shape[1]
-  fig, axes = plt.subplots(1, num_layers, squeeze=False, layout="constrained",
-                           figsize=(1.5 + 3.5 * num_layers, 1.8 + 0.45 * len(result["tasks"])))
-  image = None
-  for l, ax in enumerate(axes[0]):
-    image = ax.imshow(load_tle[:, l], aspect="auto", cmap="magma",
-                      vmin=0, vmax=float(load_tle.max()))
-    ax.set_yticks(range(len(result["tasks"])), result["tasks"] if l == 0 else [])
-    ax.set_xticks(range(load_tle.shape[2]))
-    ax.set_xlabel("expert")
-    if l == 0:
-      ax.set_ylabel("task")
-    ax.set_title(f"layer {result['layers'][l]}")
-  fig.suptitle("Domain specialization: expert load per task")
-  if image is not None:
-    fig.colorbar(image, ax=axes[0].tolist(), label="share of top-k choices")
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
+  return _expert_heatmaps(
+      [load_tle[:, l] for l in range(num_layers)], result["tasks"], result["layers"],
+      title="Domain specialization: expert load per task", row_title="task",
+      colorbar="share of top-k choices", cmap="magma", vmax=float(load_tle.max()),
+      path=path, figsize=(1.5 + 3.5 * num_layers, 1.8 + 0.45 * len(result["tasks"])))
