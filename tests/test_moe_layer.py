@@ -60,14 +60,19 @@ def test_group_tokens_rejects_indivisible_group():
   assert group_tokens(jnp.zeros((2, 10, 4)), 4096).shape == (1, 20, 4)
 
 
-def test_late_drop_fraction_and_sown_routing_match_a_direct_count():
-  cfg = MoeConfig(num_experts=4, top_k=2, group_size=16, capacity_factor_train=0.5,
-                  min_capacity=1, router_init_std=2.0)
+def _sown_routing(cfg):
+  """Returns (aux, sown routing dict) of a layer applied to a fixed [2, 16, 8] input."""
   layer = MoeLayer(cfg, "swiglu", 12)
   x_btd = jax.random.normal(jax.random.PRNGKey(7), (2, 16, 8))
   params = layer.init(jax.random.PRNGKey(8), x_btd, train=True)
   (_, aux), state = layer.apply(params, x_btd, train=True, mutable=["intermediates"])
-  routing = state["intermediates"]["routing"][0]
+  return aux, state["intermediates"]["routing"][0]
+
+
+def test_late_drop_fraction_and_sown_routing_match_a_direct_count():
+  cfg = MoeConfig(num_experts=4, top_k=2, group_size=16, capacity_factor_train=0.5,
+                  min_capacity=1, router_init_std=2.0)
+  aux, routing = _sown_routing(cfg)
   kept_btk = np.asarray(routing["kept"])
   assert kept_btk.shape == (2, 16, 2)
   assert float(aux["drop_fraction"]) == pytest.approx(1 - kept_btk.mean())
@@ -134,11 +139,7 @@ def test_layer_with_router_options_matches_loop_reference(name):
 def test_expert_choice_sown_routing_has_one_option_per_expert():
   cfg = MoeConfig(num_experts=4, top_k=1, group_size=32, capacity_factor_train=1.0,
                   router=ExpertChoiceRouter(level="sequence"), router_init_std=2.0)
-  layer = MoeLayer(cfg, "swiglu", 12)
-  x_btd = jax.random.normal(jax.random.PRNGKey(7), (2, 16, 8))
-  params = layer.init(jax.random.PRNGKey(8), x_btd, train=True)
-  (_, aux), state = layer.apply(params, x_btd, train=True, mutable=["intermediates"])
-  routing = state["intermediates"]["routing"][0]
+  aux, routing = _sown_routing(cfg)
   kept = np.asarray(routing["kept"])
   assert kept.shape == (2, 16, 4)
   np.testing.assert_array_equal(routing["expert_index"][1, 3], np.arange(4))
