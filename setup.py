@@ -87,6 +87,8 @@ setuptools.setup(
             "openmoe-plan=openmoe_jax.plan:main",
             "openmoe-sample=openmoe_jax.sample:main",
             "openmoe-eval=openmoe_jax.evaluate:main",
+            "openmoe-upcycle=openmoe_jax.upcycle:main",
+            "openmoe-ablate=openmoe_jax.ablate:main",
         ],
     },
 )

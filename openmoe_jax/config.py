@@ -110,6 +110,7 @@ class ModelConfig:
   rope_base: float = 10000.0
   norm_eps: float = 1e-6
   emb_init_std: float = 1.0
+  qk_norm: bool = False  # RMSNorm on each head's queries and keys (OpenMoE 2)
 
   def __post_init__(self):
     _check_choice("mlp_kind", self.mlp_kind, MLP_KINDS)

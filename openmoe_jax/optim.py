@@ -76,6 +76,37 @@ def adafactor_openmoe(learning_rate: float = 0.01,
       learning_rate=rsqrt_schedule(learning_rate, warmup_steps))
 
 
+def wsd_schedule(peak_lr: float, warmup_steps: int, total_steps: int,
+                 decay_fraction: float = 0.1, end_lr: float = 0.0) -> Schedule:
+  """Returns warmup-stable-decay: linear 0 -> peak_lr over warmup_steps, constant,
+  then linear decay to end_lr over the last decay_fraction of total_steps."""
+  decay_steps = int(round(total_steps * decay_fraction))
+  if not 0 < decay_fraction <= 1 or total_steps - decay_steps < warmup_steps:
+    raise ValueError(f"wsd: need 0 < decay_fraction <= 1 and warmup_steps "
+                     f"({warmup_steps}) <= the {total_steps - decay_steps} steps "
+                     "before the decay")
+  return optax.join_schedules([
+      optax.linear_schedule(0.0, peak_lr, warmup_steps),
+      optax.constant_schedule(peak_lr),
+      optax.linear_schedule(peak_lr, end_lr, decay_steps),
+  ], boundaries=[warmup_steps, total_steps - decay_steps])
+
+
+def _adamw(schedule: Schedule, b1: float, b2: float, weight_decay: float,
+           clip_norm: float | None, eps: float) -> optax.GradientTransformation:
+  """Returns AdamW (decoupled weight decay on rank >= 2 params only) after global-norm
+  clipping (clip_norm=None: none), its learning rate injected from `schedule`."""
+
+  def make(learning_rate):
+    adamw = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps,
+                        weight_decay=weight_decay, mask=_decay_matrices_only)
+    if clip_norm is None:
+      return adamw
+    return optax.chain(optax.clip_by_global_norm(clip_norm), adamw)
+
+  return optax.inject_hyperparams(make)(learning_rate=schedule)
+
+
 @gin.configurable
 def adamw_warmup_cosine(peak_lr: float = 3e-4,
                         warmup_steps: int = 1000,
@@ -87,19 +118,28 @@ def adamw_warmup_cosine(peak_lr: float = 3e-4,
                         clip_norm: float | None = 1.0,
                         eps: float = 1e-8,
                         ) -> optax.GradientTransformation:
-  """Returns AdamW (decoupled weight decay on rank >= 2 params only) after global-norm
-  clipping, with `warmup_cosine_schedule(peak_lr, warmup_steps, total_steps,
-  end_lr_ratio)`. clip_norm=None disables clipping."""
+  """Returns AdamW (see `_adamw`) with `warmup_cosine_schedule(peak_lr, warmup_steps,
+  total_steps, end_lr_ratio)`."""
+  return _adamw(warmup_cosine_schedule(peak_lr, warmup_steps, total_steps, end_lr_ratio),
+                b1, b2, weight_decay, clip_norm, eps)
 
-  def make(learning_rate):
-    adamw = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps,
-                        weight_decay=weight_decay, mask=_decay_matrices_only)
-    if clip_norm is None:
-      return adamw
-    return optax.chain(optax.clip_by_global_norm(clip_norm), adamw)
 
-  return optax.inject_hyperparams(make)(
-      learning_rate=warmup_cosine_schedule(peak_lr, warmup_steps, total_steps, end_lr_ratio))
+@gin.configurable
+def adamw_wsd(peak_lr: float = 2e-4,
+              warmup_steps: int = 2000,
+              total_steps: int = gin.REQUIRED,
+              decay_fraction: float = 0.1,
+              end_lr: float = 2e-5,
+              b1: float = 0.9,
+              b2: float = 0.95,
+              weight_decay: float = 0.1,
+              clip_norm: float | None = 1.0,
+              eps: float = 1e-8,
+              ) -> optax.GradientTransformation:
+  """Returns AdamW (see `_adamw`) with `wsd_schedule` (OpenMoE 2's recipe: 2e-4 ->
+  2e-5, betas (0.9, 0.95), weight decay 0.1, clipping at 1.0)."""
+  return _adamw(wsd_schedule(peak_lr, warmup_steps, total_steps, decay_fraction, end_lr),
+                b1, b2, weight_decay, clip_norm, eps)
 
 
 def learning_rate(opt_state) -> jax.Array:

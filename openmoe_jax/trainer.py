@@ -208,7 +208,8 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
           distributed: Optional[bool] = None, stages: Sequence[Stage] = (),
           print_fn: Callable[[str], None] = print) -> Dict[str, Any]:
   """Trains (or resumes) a Decoder; returns a summary dict (first/last eval loss,
-  tokens/s, final step, train loss).
+  tokens/s, final step, train loss; `last_eval_metrics` and `last_train_metrics`:
+  every metric of the last evaluation and of the last training log window).
 
   `stages`: a schedule of `Stage`s (the first starts at step 0); the switch happens
   at the given step and survives resume. Empty: one stage on mixture_or_task_name.
@@ -314,6 +315,7 @@ class _Loop:
     self.logger.write(step, {f"eval/{k}": v for k, v in metrics.items()})
     self.summary.setdefault("first_eval_loss", metrics["ce_loss"])
     self.summary["last_eval_loss"] = metrics["ce_loss"]
+    self.summary["last_eval_metrics"] = metrics
     self.print_fn(f"eval @ step {step}: ce_loss {metrics['ce_loss']:.4f} "
                   f"accuracy {metrics['accuracy']:.3f} "
                   f"drop_fraction {metrics.get('moe/drop_fraction', 0.0):.3f}")
@@ -334,6 +336,7 @@ class _Loop:
     self.logger.write(step, scalars)
     progress.update(step, scalars["train/loss"], tokens_per_sec)
     self.summary["last_train_loss"] = scalars["train/ce_loss"]
+    self.summary["last_train_metrics"] = scalars
 
   def run(self, state, train_steps, eval_every, log_every) -> Dict[str, Any]:
     """Trains from state.step to train_steps; returns the run summary."""

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from openmoe_jax.config import ATTENTION_KINDS
 from openmoe_jax.layers.embeddings import apply_rope
+from openmoe_jax.layers.norms import RMSNorm
 
 
 def make_attention_mask(kind: str, length: int,
@@ -45,13 +46,16 @@ class Attention(nn.Module):
   Decoding: when `apply` makes the "cache" collection mutable, keys and values are
   appended to a cache (created at the length of the first such call) and queries
   attend causally to everything cached so far; `mask_b1tt` is then ignored (one
-  sequence per row).
+  sequence per row). `qk_norm`: RMSNorm over each head's queries and keys before
+  RoPE (OpenMoE 2 / OLMo-style QK-norm), eps `norm_eps`.
   """
 
   num_heads: int
   head_dim: int
   rope_base: float = 10000.0
   dtype: jnp.dtype = jnp.float32
+  qk_norm: bool = False
+  norm_eps: float = 1e-6
 
   def _proj(self, name, x_btd):
     d = x_btd.shape[-1]
@@ -64,8 +68,12 @@ class Attention(nn.Module):
   @nn.compact
   def __call__(self, x_btd: jax.Array, positions_bt: jax.Array,
                mask_b1tt: jax.Array) -> jax.Array:
-    q_bthk = apply_rope(self._proj("query", x_btd), positions_bt, self.rope_base)
-    k_bthk = apply_rope(self._proj("key", x_btd), positions_bt, self.rope_base)
+    q_bthk, k_bthk = self._proj("query", x_btd), self._proj("key", x_btd)
+    if self.qk_norm:
+      q_bthk = RMSNorm(self.norm_eps, self.dtype, "kv", name="query_norm")(q_bthk)
+      k_bthk = RMSNorm(self.norm_eps, self.dtype, "kv", name="key_norm")(k_bthk)
+    q_bthk = apply_rope(q_bthk, positions_bt, self.rope_base)
+    k_bthk = apply_rope(k_bthk, positions_bt, self.rope_base)
     v_bthk = self._proj("value", x_btd)
     q_bthk = nn.with_logical_constraint(
         q_bthk, ("batch", "length", "act_heads", "act_kv"))

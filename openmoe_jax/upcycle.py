@@ -1,0 +1,209 @@
+"""Sparse upcycling: turn a trained dense checkpoint into an MoE checkpoint.
+
+  openmoe-upcycle --dense_checkpoint=/tmp/dense --output=/tmp/moe \\
+      --gin_file=runs/ablate_tiny.gin --gin_file=experiments/openmoe2/upcycled.gin
+
+The gin files describe the MoE run (model, optimizer, task) exactly as `openmoe-train`
+would be given them. Attention, norms, embeddings and the head are copied; each dense
+FFN becomes the experts of the MoE layer at the same depth: copied whole into every
+expert when the expert hidden size equals the dense one, or, for fine-grained experts,
+split along the hidden dimension into n = d_ff / expert_d_ff slices, expert e holding
+slice e mod n (n must divide E). Selecting one expert of each slice with weight 1
+computes the dense FFN exactly (each hidden unit's contribution is separate in a gated
+MLP). Routers are freshly initialised; the optimizer state is fresh. The output is a
+MODEL_DIR with a step-0 checkpoint: train with the same gin files and
+`--gin.MODEL_DIR=<output>` to continue from it.
+"""
+import json
+import os
+import sys
+from typing import Any, Dict, List, Tuple
+
+import jax
+import numpy as np
+
+from openmoe_jax import gin_utils, partitioning
+from openmoe_jax.checkpoints import Checkpointer
+from openmoe_jax.config import ModelConfig
+from openmoe_jax.data import pipeline
+from openmoe_jax.layers.mlp import wi_0_width
+from openmoe_jax.model import Decoder, layer_segments, scan_unit_length
+from openmoe_jax.run_loader import load_run, query, restore_params
+from openmoe_jax.trainer import TrainState, build_model_config, init_train_state
+
+# A layer's parameters live at params[segment][block], indexed by `repeat` along the
+# scan axis when scanned (None: an unscanned copy `layers_<i>_<r>`).
+LayerSlot = Tuple[str, str, Any]
+
+
+def layer_slots(cfg: ModelConfig) -> List[LayerSlot]:
+  """Returns, per layer in depth order, where its block's params live."""
+  slots = []
+  for i, (unit, repeats) in enumerate(
+      layer_segments(cfg.sparse_layers(), scan_unit_length(cfg))):
+    for r in range(repeats):
+      for j in range(len(unit)):
+        if cfg.scan_layers:
+          slots.append((f"layers_{i}", f"block_{j}", r))
+        else:
+          slots.append((f"layers_{i}_{r}", f"block_{j}", None))
+  return slots
+
+
+def get_layer(params: Dict, slot: LayerSlot) -> Dict:
+  """Returns the block params of one layer (numpy, the scan axis indexed away)."""
+  segment, block, repeat = slot
+  tree = params[segment][block]
+  return jax.tree.map(lambda a: np.asarray(a) if repeat is None else np.asarray(a)[repeat],
+                      tree)
+
+
+def set_layer(params: Dict, slot: LayerSlot, block_params: Dict) -> None:
+  """Writes one layer's block params into `params` (numpy leaves, in place)."""
+  segment, block, repeat = slot
+
+  def write(tree, new):
+    for key, value in new.items():
+      if isinstance(value, dict):
+        write(tree[key], value)
+      elif repeat is None:
+        tree[key] = np.asarray(value, tree[key].dtype)
+      else:
+        tree[key][repeat] = value
+  write(params[segment][block], block_params)
+
+
+def split_ffn_into_experts(mlp: Dict, kind: str, num_experts: int,
+                           expert_d_ff: int) -> Dict[str, np.ndarray]:
+  """Returns expert weights {wi_0 [E,d,.], wi_1 [E,d,f], wo [E,f,d]} from a dense
+  MLP's {wi_0, wi_1, wo}: expert e holds hidden slice e mod n of n = d_ff / f."""
+  d_ff = mlp["wi_1"].shape[1]
+  if d_ff % expert_d_ff or num_experts % (d_ff // expert_d_ff):
+    raise ValueError(
+        f"cannot upcycle a dense FFN of d_ff {d_ff} into {num_experts} experts of "
+        f"{expert_d_ff}: need expert_d_ff to divide d_ff and d_ff / expert_d_ff "
+        f"({d_ff / expert_d_ff:g}) to divide num_experts")
+  num_slices = d_ff // expert_d_ff
+  hidden = lambda s: slice(s * expert_d_ff, (s + 1) * expert_d_ff)
+
+  def wi_0_slice(s):
+    if wi_0_width(kind, d_ff) == d_ff:
+      return mlp["wi_0"][:, hidden(s)]
+    # OpenMoE's SwiGLU: wi_0 holds [x1 | x2], each d_ff wide; slice both halves.
+    x1, x2 = np.split(mlp["wi_0"], 2, axis=1)
+    return np.concatenate([x1[:, hidden(s)], x2[:, hidden(s)]], axis=1)
+
+  slices = [s % num_slices for s in range(num_experts)]
+  return {"wi_0": np.stack([wi_0_slice(s) for s in slices]),
+          "wi_1": np.stack([mlp["wi_1"][:, hidden(s)] for s in slices]),
+          "wo": np.stack([mlp["wo"][hidden(s), :] for s in slices])}
+
+
+def upcycle_params(dense_params: Dict, dense_cfg: ModelConfig, moe_params: Dict,
+                   moe_cfg: ModelConfig) -> Dict:
+  """Returns `moe_params` (a freshly initialised MoE model; its routers are kept)
+  with everything else taken from `dense_params`, FFNs turned into experts."""
+  _check_compatible(dense_cfg, moe_cfg)
+  out = jax.tree.map(lambda a: np.array(a), moe_params)
+  for key in ("embed", "final_norm", "head"):
+    out[key] = jax.tree.map(np.asarray, dense_params[key])
+  dense_slots, moe_slots = layer_slots(dense_cfg), layer_slots(moe_cfg)
+  for sparse, dense_slot, moe_slot in zip(moe_cfg.sparse_layers(), dense_slots,
+                                          moe_slots):
+    layer = get_layer(dense_params, dense_slot)
+    if not sparse:
+      set_layer(out, moe_slot, layer)
+      continue
+    experts = split_ffn_into_experts(layer["mlp"], moe_cfg.mlp_kind,
+                                     moe_cfg.moe.num_experts, moe_cfg.expert_d_ff)
+    set_layer(out, moe_slot, {
+        "pre_attention_norm": layer["pre_attention_norm"],
+        "attention": layer["attention"],
+        "pre_moe_norm": layer["pre_mlp_norm"],
+        "moe": {"experts": experts}})
+  return out
+
+
+def _check_compatible(dense_cfg: ModelConfig, moe_cfg: ModelConfig) -> None:
+  if any(dense_cfg.sparse_layers()):
+    raise ValueError("the dense checkpoint has MoE layers; upcycling needs a dense model")
+  fields = ("vocab_size", "d_model", "num_heads", "head_dim", "d_ff", "num_layers",
+            "mlp_kind", "scan_layers")
+  differ = [f"{f}: dense {getattr(dense_cfg, f)} vs MoE {getattr(moe_cfg, f)}"
+            for f in fields if getattr(dense_cfg, f) != getattr(moe_cfg, f)]
+  if differ:
+    raise ValueError("dense and MoE models differ in " + "; ".join(differ))
+  moe = moe_cfg.moe
+  if moe.residual_mlp or moe.num_shared_experts:
+    raise ValueError("upcycling copies each dense FFN into the routed experts; set "
+                     "MoeConfig.residual_mlp = False and num_shared_experts = 0 (an "
+                     "extra dense or shared MLP would have no dense weights to copy)")
+
+
+def upcycle(dense_dir: str, output_dir: str, gin_files: List[str],
+            gin_bindings: List[str] = (), step: int = None, seed: int = 0,
+            print_fn=print) -> Dict[str, Any]:
+  """Writes the upcycled step-0 MoE checkpoint to `output_dir`; returns a summary."""
+  if os.path.exists(os.path.join(output_dir, "checkpoints")):
+    raise FileExistsError(f"{output_dir}/checkpoints exists; pick a new --output")
+  dense_run = load_run(dense_dir)  # parses the dense run's config.gin
+  step = dense_run.steps[-1] if step is None else step
+  if step not in dense_run.steps:
+    raise ValueError(f"no checkpoint at step {step} in {dense_dir}: {dense_run.steps}")
+  dense_params = restore_params(dense_dir, step)
+  print_fn(f"Dense checkpoint: {dense_dir} step {step}")
+
+  import gin  # pylint: disable=g-import-not-at-top
+  gin.clear_config()
+  gin_utils.import_configurables()
+  gin_utils.parse_gin(gin_files, list(gin_bindings), finalize=False)
+  vocab = pipeline.vocabulary_for(query("train.mixture_or_task_name"))
+  moe_cfg = build_model_config(None, vocab.vocab_size)
+  optimizer = query("train.optimizer")
+  mesh = partitioning.make_mesh(num_devices=1)
+  with partitioning.activate(mesh):
+    init, _, _ = init_train_state(Decoder(moe_cfg), optimizer, mesh,
+                                  jax.random.PRNGKey(seed), dense_run.sequence_length)
+    fresh = init(jax.random.PRNGKey(seed))
+  params = upcycle_params(dense_params, dense_run.config, fresh.params, moe_cfg)
+  state = TrainState(step=np.zeros((), np.int32), params=params,
+                     opt_state=optimizer.init(params))
+  with Checkpointer(output_dir) as ckpt:
+    ckpt.save(0, state, {"train_batches": 0}, force=True)
+  summary = {"dense_checkpoint": os.path.abspath(dense_dir), "dense_step": step,
+             "num_experts": moe_cfg.moe.num_experts, "expert_d_ff": moe_cfg.expert_d_ff,
+             "slices_per_ffn": moe_cfg.d_ff // moe_cfg.expert_d_ff,
+             "moe_layers": sum(moe_cfg.sparse_layers()), "gin_files": list(gin_files),
+             "gin_bindings": list(gin_bindings)}
+  with open(os.path.join(output_dir, "upcycle.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  print_fn(f"Upcycled {summary['moe_layers']} FFNs into {summary['num_experts']} "
+           f"experts each ({summary['slices_per_ffn']} slice(s) per FFN); wrote "
+           f"{output_dir}/checkpoints/0. Continue with: openmoe-train "
+           + " ".join(f"--gin_file={g}" for g in gin_files)
+           + f" --gin.MODEL_DIR={output_dir}")
+  return summary
+
+
+USAGE = ("usage: openmoe-upcycle --dense_checkpoint=DIR --output=DIR --gin_file=FILE "
+         "[--gin_file=...] [--gin.NAME=VALUE ...] [--step=N] [--seed=N]")
+
+
+def main(argv=None) -> int:
+  """CLI entry point."""
+  argv = list(sys.argv[1:] if argv is None else argv)
+  files, bindings, _, other = gin_utils.parse_flags(argv)
+  opts = dict(arg[2:].split("=", 1) for arg in other
+              if arg.startswith("--") and "=" in arg)
+  unknown = set(opts) - {"dense_checkpoint", "output", "step", "seed"}
+  if unknown or len(opts) != len(other) or not files or not {
+      "dense_checkpoint", "output"} <= set(opts):
+    raise SystemExit(USAGE)
+  upcycle(opts["dense_checkpoint"], opts["output"], files, bindings,
+          step=int(opts["step"]) if "step" in opts else None,
+          seed=int(opts.get("seed", 0)))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

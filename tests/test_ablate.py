@@ -1,0 +1,65 @@
+"""openmoe-ablate: every OpenMoE 2 arm trains, and the runner tabulates them."""
+import json
+import math
+
+import pytest
+
+from openmoe_jax import ablate
+
+EXPECTED_ARMS = {
+    "tc_softmax", "tc_sigmoid", "tc_dropless", "tc_scaling", "ec_batch", "ec_sequence",
+    "ec_tokenwise_lb", "ec_scaling", "shared_always_on", "shared_gated",
+    "granularity_64", "granularity_256", "dense_first2", "dense", "upcycled"}
+# Small and quick: every arm still builds, routes, upcycles and trains.
+TINY = ["--gin.train.num_devices=1", "--gin.BATCH_SIZE=4", "--gin.SEQUENCE_LENGTH=32", "--gin.train.eval_batches=1",
+        "--gin.train.log_every_steps=1", "--gin.adamw_warmup_cosine.warmup_steps=1"]
+
+
+def test_every_ablation_of_the_issue_has_an_arm(capsys):
+  assert set(ablate.available_arms()) == EXPECTED_ARMS
+  assert ablate.main(["--list"]) == 0
+  assert set(capsys.readouterr().out.split()) == EXPECTED_ARMS
+
+
+def test_bad_arguments():
+  with pytest.raises(ValueError, match="unknown arms"):
+    ablate.run_arms(["nope"], 2, "/tmp/unused", "runs/ablate_tiny.gin")
+  with pytest.raises(SystemExit, match="usage"):
+    ablate.main(["--gin_file=models/quickstart_moe.gin"])
+  with pytest.raises(SystemExit, match="usage"):
+    ablate.main(["--stepz=3"])
+
+
+def test_table_formatting():
+  rows = [ablate.ArmResult("tc_softmax", 5, 9.0, 7.25, 7.5, 0.125, 0.5, 1234.0, 3.0),
+          ablate.ArmResult("dense", 5, 9.0, 7.0, 7.1, None, None, 2000.0, 2.0)]
+  table = ablate.format_table(rows).splitlines()
+  assert table[0].split()[:3] == ["arm", "steps", "val"]
+  assert table[2].split() == ["tc_softmax", "5", "7.2500", "9.0000", "0.125", "0.500",
+                              "1234"]
+  assert table[3].split() == ["dense", "5", "7.0000", "9.0000", "-", "-", "2000"]
+
+
+@pytest.mark.slow
+def test_two_steps_of_every_arm(tmp_path, capsys):
+  assert ablate.main([f"--output={tmp_path}", "--steps=2", "--json"] + TINY) == 0
+  rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+  assert [r["arm"] for r in rows] == ablate.available_arms()
+  for r in rows:
+    assert r["steps"] == 2
+    assert math.isfinite(r["val_loss"]) and math.isfinite(r["first_val_loss"])
+    assert r["tokens_per_sec"] > 0
+    if r["arm"] == "dense":
+      assert r["drop_fraction"] is None
+    else:
+      assert 0 <= r["drop_fraction"] <= 1 and r["expert_load_cv"] >= 0
+  by_arm = {r["arm"]: r for r in rows}
+  assert by_arm["tc_dropless"]["drop_fraction"] == 0
+  # The upcycled arm starts from the trained dense arm: near its final loss (not
+  # equal: routing picks slices at gates near, not exactly, 1/4 each).
+  assert (tmp_path / "upcycled" / "upcycle.json").exists()
+  assert by_arm["upcycled"]["first_val_loss"] == pytest.approx(
+      by_arm["dense"]["val_loss"], abs=0.3)
+  # Arms never silently resume an old run.
+  with pytest.raises(FileExistsError, match="already holds a run"):
+    ablate.run_arms(["tc_softmax"], 2, str(tmp_path), "runs/ablate_tiny.gin")

@@ -1,0 +1,81 @@
+"""Sparse upcycling: dense FFNs become experts that reproduce the dense model."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from openmoe_jax.config import ModelConfig, MoeConfig
+from openmoe_jax.layers.mlp import Mlp
+from openmoe_jax.model import Decoder
+from openmoe_jax.moe.layer import Experts
+from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter
+from openmoe_jax.upcycle import get_layer, layer_slots, split_ffn_into_experts, upcycle_params
+
+DENSE = ModelConfig(vocab_size=64, d_model=16, num_heads=2, head_dim=8, d_ff=24,
+                    num_layers=4, mlp_kind="swiglu", layer_pattern="DDDD")
+
+
+def _init(cfg, seed):
+  tokens = jnp.zeros((1, 8), jnp.int32)
+  return jax.device_get(nn.unbox(
+      Decoder(cfg).init(jax.random.PRNGKey(seed), tokens)["params"]))
+
+
+def _logits(cfg, params, tokens):
+  return np.asarray(Decoder(cfg).apply({"params": params}, tokens)[0])
+
+
+@pytest.mark.parametrize("pattern,scan", [("MMMM", True), ("DMDM", True),
+                                          ("DDMM", False)])
+def test_identical_expert_copies_reproduce_the_dense_model(pattern, scan):
+  # Every expert a copy of the dense FFN; gates renormalised over the top-k and no
+  # drops, so any routing computes exactly the dense FFN.
+  dense_cfg = DENSE.replace(scan_layers=scan)
+  moe_cfg = dense_cfg.replace(layer_pattern=pattern, moe=MoeConfig(
+      num_experts=4, top_k=2, group_size=16, renormalize_gates=True,
+      residual_mlp=False, router=TokenChoiceRouter(dropless=True)))
+  dense = _init(dense_cfg, 0)
+  moe = upcycle_params(dense, dense_cfg, _init(moe_cfg, 1), moe_cfg)
+  tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 16), 0, 64)
+  np.testing.assert_allclose(_logits(moe_cfg, moe, tokens),
+                             _logits(dense_cfg, dense, tokens), rtol=1e-5, atol=1e-5)
+  # The router is the MoE model's fresh one, not a copy of anything dense.
+  slot = layer_slots(moe_cfg)[moe_cfg.sparse_layers().index(True)]
+  fresh = _init(moe_cfg, 1)[slot[0]][slot[1]]["moe"]["router"]
+  got = moe[slot[0]][slot[1]]["moe"]["router"]
+  jax.tree.map(np.testing.assert_array_equal, got, fresh)
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "openmoe_swiglu", "geglu"])
+def test_fine_grained_slices_sum_to_the_dense_ffn(kind):
+  d, d_ff, expert_d_ff, num_experts = 16, 32, 8, 8  # 4 slices, each held twice
+  x_nd = jax.random.normal(jax.random.PRNGKey(0), (10, d))
+  mlp = Mlp(kind, d_ff)
+  mlp_params = nn.unbox(mlp.init(jax.random.PRNGKey(1), x_nd[None])["params"])
+  dense_nd = mlp.apply({"params": mlp_params}, x_nd[None])[0]
+  experts = split_ffn_into_experts(jax.device_get(mlp_params), kind, num_experts,
+                                   expert_d_ff)
+  assert experts["wi_1"].shape == (num_experts, d, expert_d_ff)
+  x_end = jnp.broadcast_to(x_nd, (num_experts,) + x_nd.shape)
+  y_end = Experts(num_experts, kind, expert_d_ff).apply({"params": experts}, x_end)
+  # Experts e and e + 4 hold the same slice: one of each slice with weight 1 is the
+  # dense FFN.
+  np.testing.assert_array_equal(experts["wo"][1], experts["wo"][5])
+  for chosen in ([0, 1, 2, 3], [4, 1, 6, 3]):
+    np.testing.assert_allclose(np.sum(np.asarray(y_end)[chosen], axis=0), dense_nd,
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_incompatible_models_are_refused():
+  dense = _init(DENSE, 0)
+  residual = DENSE.replace(layer_pattern="MMMM", moe=MoeConfig(num_experts=4))
+  with pytest.raises(ValueError, match="residual_mlp = False"):
+    upcycle_params(dense, DENSE, _init(residual, 1), residual)
+  wider = DENSE.replace(d_model=32, layer_pattern="MMMM",
+                        moe=MoeConfig(num_experts=4, residual_mlp=False))
+  with pytest.raises(ValueError, match="d_model: dense 16 vs MoE 32"):
+    upcycle_params(dense, DENSE, _init(wider, 1), wider)
+  with pytest.raises(ValueError, match="to divide num_experts"):
+    split_ffn_into_experts(get_layer(dense, layer_slots(DENSE)[0])["mlp"],
+                           "swiglu", 4, 3)  # 8 slices of 3 cannot fill 4 experts
