@@ -34,6 +34,17 @@ def test_capacity_formula(tokens, experts, factor, minimum, expected):
   assert expert_capacity(tokens, experts, factor, minimum) == expected
 
 
+def test_capacity_per_choice_multiplies_by_top_k():
+  cfg = MoeConfig(num_experts=16, top_k=4, capacity_factor_train=1.25,
+                  capacity_factor_eval=2.0, min_capacity=4)
+  st_moe, megatron = TokenChoiceRouter(), TokenChoiceRouter(capacity_per_choice=True)
+  assert st_moe.capacity(cfg, 256, train=True) == 20  # 1.25 x 256 / 16
+  assert megatron.capacity(cfg, 256, train=True) == 80  # 1.25 x 4 x 256 / 16
+  assert megatron.capacity(cfg, 256, train=False) == 128
+  assert TokenChoiceRouter(dropless=True, capacity_per_choice=True).capacity(
+      cfg, 256, train=True) == 256
+
+
 def test_first_choices_before_second_then_sequence_order():
   routing = top_k_capacity_routing(jnp.asarray(PROBS), top_k=2, capacity=2)
   np.testing.assert_array_equal(routing.expert_index[0], [[0, 1], [0, 1], [1, 0], [0, 2]])

@@ -28,6 +28,10 @@ class TokenChoiceRouter:
     mismatch); use it for encoders or ablations only.
   - `jitter_noise`: multiplicative uniform noise x * U(1 - eps, 1 + eps) on the
     router inputs in training (applied by the MoE layer; needs the "jitter" rng).
+  - `capacity_per_choice`: False (default, ST-MoE / flaxformer / OpenMoE v1):
+    capacity = cf x T / E, so top-2 at cf 1.25 has buffers for 62.5% of the
+    choices; True (Megatron, ColossalAI, OpenMoE 2): cf x k x T / E, buffers for cf
+    times the average load of every choice (what fine-grained top-k needs).
 
   Gin: `MoeConfig.router = @TokenChoiceRouter()`, `TokenChoiceRouter.dropless = True`.
   """
@@ -35,13 +39,14 @@ class TokenChoiceRouter:
   dropless: bool = False
   batch_prioritized: bool = False
   jitter_noise: float = 0.0
+  capacity_per_choice: bool = False
 
   def capacity(self, cfg: Any, tokens_per_group: int, train: bool) -> int:
     """Returns the per-expert buffer size for a group of `tokens_per_group` tokens."""
     if self.dropless:
       return tokens_per_group
-    return expert_capacity(tokens_per_group, cfg.num_experts,
-                           cfg.capacity_factor(train), cfg.min_capacity)
+    factor = cfg.capacity_factor(train) * (cfg.top_k if self.capacity_per_choice else 1)
+    return expert_capacity(tokens_per_group, cfg.num_experts, factor, cfg.min_capacity)
 
   def __call__(self, gs: GateScores, cfg: Any, *, train: bool, sequence_length: int
                ) -> Tuple[Routing, Dict[str, jax.Array]]:
