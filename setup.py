@@ -76,7 +76,8 @@ setuptools.setup(
     install_requires=INSTALL_REQUIRES,
     extras_require={
         # libtpu (via jax[tpu]) lets tests compile for TPU topologies ahead of time.
-        "test": ["pytest==9.2.0", "pytest-timeout==2.4.0", "jax[tpu]==0.10.2"],
+        "test": ["pytest==9.2.0", "pytest-timeout==2.4.0", "pytest-xdist==3.8.0",
+                 "jax[tpu]==0.10.2"],
         "tpu": ["jax[tpu]==0.10.2"],
     },
     entry_points={

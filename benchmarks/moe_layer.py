@@ -1,6 +1,7 @@
 """MoE layer forward+backward per dispatcher vs the dense gated MLP of equal active FLOPs.
 
 Usage: python benchmarks/moe_layer.py [--quick] [--json] [--runs N] [--dispatchers a,b]
+       python benchmarks/moe_layer.py --sweep [--json]   (scaling in tokens and in E)
 
 Each row times `jax.jit(value_and_grad)` of the MoE layer (router + dispatch +
 experts + combine; swiglu experts) on one batch: median of `--runs` runs after
@@ -10,6 +11,11 @@ program (`memory_analysis()`). `capacity_factor` counts per routed choice (MaxTe
 convention: buffers hold cf x tokens x top_k / E rows per expert; the library's
 `MoeConfig.capacity_factor_train` is per token, so it gets cf x top_k); dropless rows
 have capacity_factor None and no padding beyond the grouped matmul's tile.
+
+`--sweep` times the scaling instead: tokens 1k -> 16k at (d 512, f 512, E 64, k 2),
+then E 16 -> 256 at 4096 tokens (d 512, f 512, k 2); rows are named "tokens_sweep"
+/ "experts_sweep". Einsum rows whose one-hot dispatch tensor would exceed
+`--max_einsum_elements` are skipped (a note goes to stderr).
 """
 import argparse
 import json
@@ -27,6 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 from openmoe_jax.config import MoeConfig  # noqa: E402
 from openmoe_jax.layers.mlp import Mlp  # noqa: E402
 from openmoe_jax.moe.dispatch import EinsumDispatcher, SortDispatcher  # noqa: E402
+from openmoe_jax.moe.dispatch_auto import AutoDispatcher  # noqa: E402
 from openmoe_jax.moe.dispatch_ragged import RaggedDispatcher  # noqa: E402
 from openmoe_jax.moe.layer import MoeLayer  # noqa: E402
 from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter  # noqa: E402
@@ -44,8 +51,27 @@ DISPATCHERS = {  # name: (dispatcher, dropless)
     "ragged_padded_cf": (RaggedDispatcher("padded"), False),
     "ragged_padded_dropless": (RaggedDispatcher("padded"), True),
     "ragged_dot_dropless": (RaggedDispatcher("ragged_dot"), True),
+    "auto": (AutoDispatcher(), False),
 }
 DEFAULT_DISPATCHERS = ("einsum", "sort", "ragged_padded_cf", "ragged_padded_dropless")
+SWEEP_DISPATCHERS = ("einsum", "sort", "ragged_padded_dropless")
+SWEEP_BASE = (512, 512, 64, 2, 4096)  # (d_model, d_ff, experts, top_k, tokens)
+SWEEP_TOKENS = (1024, 2048, 4096, 8192, 16384)  # at the base's E
+SWEEP_EXPERTS = (16, 32, 64, 128, 256)  # at the base's tokens
+
+
+def sweep_shapes():
+  """Returns [(config name, shape)] of the scaling sweep."""
+  d, f, experts, k, tokens = SWEEP_BASE
+  rows = [("tokens_sweep", (d, f, experts, k, t)) for t in SWEEP_TOKENS]
+  return rows + [("experts_sweep", (d, f, e, k, tokens)) for e in SWEEP_EXPERTS]
+
+
+def einsum_elements(shape) -> int:
+  """Returns s x E x C of the einsum path's one-hot dispatch tensor (one group)."""
+  _, _, experts, top_k, tokens = shape
+  capacity = max(int(round(CAPACITY_FACTOR * top_k * tokens / experts)), 1)
+  return tokens * experts * capacity
 
 
 def _time_and_memory(fn, *args, runs: int, warmup: int):
@@ -111,34 +137,49 @@ def bench_row(config: str, shape, dispatcher: str, dense: float, runs: int = 5,
           "ratio_to_dense": round(ms / dense, 3), "peak_bytes": peak}
 
 
+def _print_row(row, as_json: bool):
+  """Prints one result row as JSON or as a table line."""
+  if as_json:
+    print(json.dumps(row), flush=True)
+    return
+  peak = row["peak_bytes"] / 2**20 if row["peak_bytes"] else float("nan")
+  print(f"{row['config']:20} {row['dispatcher']:24} {row['tokens']:6d} "
+        f"{row['experts']:4d} {str(row['capacity_factor']):>5} {row['ms']:9.2f} "
+        f"{row['dense_ms']:9.2f} {row['ratio_to_dense']:6.2f} {peak:9.1f}", flush=True)
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help=f"{QUICK_TOKENS} tokens")
+  parser.add_argument("--sweep", action="store_true",
+                      help="scaling sweep: tokens 1k-16k, then E 16-256")
   parser.add_argument("--json", action="store_true", help="one JSON object per row")
   parser.add_argument("--runs", type=int, default=5)
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--configs", default=",".join(CONFIGS))
-  parser.add_argument("--dispatchers", default=",".join(DEFAULT_DISPATCHERS),
+  parser.add_argument("--dispatchers", default=None,
                       help=f"from {sorted(DISPATCHERS)}")
+  parser.add_argument("--max_einsum_elements", type=int, default=1 << 28)
   args = parser.parse_args(argv)
+  if args.sweep:
+    shapes = sweep_shapes()
+    dispatchers = args.dispatchers or ",".join(SWEEP_DISPATCHERS)
+  else:
+    shapes = [(c, CONFIGS[c][:4] + (QUICK_TOKENS,) if args.quick else CONFIGS[c])
+              for c in args.configs.split(",")]
+    dispatchers = args.dispatchers or ",".join(DEFAULT_DISPATCHERS)
   if not args.json:
-    print(f"{'config':20} {'dispatcher':24} {'tokens':>6} {'cf':>5} {'ms':>9} "
-          f"{'dense_ms':>9} {'ratio':>6} {'peak_MiB':>9}")
-  for config in args.configs.split(","):
-    shape = CONFIGS[config]
-    if args.quick:
-      shape = shape[:4] + (QUICK_TOKENS,)
+    print(f"{'config':20} {'dispatcher':24} {'tokens':>6} {'E':>4} {'cf':>5} "
+          f"{'ms':>9} {'dense_ms':>9} {'ratio':>6} {'peak_MiB':>9}")
+  for config, shape in shapes:
     dense, _ = dense_ms(shape, args.runs, args.warmup)
-    for dispatcher in args.dispatchers.split(","):
-      row = bench_row(config, shape, dispatcher, dense, args.runs, args.warmup)
-      if args.json:
-        print(json.dumps(row), flush=True)
-      else:
-        peak = row["peak_bytes"] / 2**20 if row["peak_bytes"] else float("nan")
-        print(f"{config:20} {dispatcher:24} {row['tokens']:6d} "
-              f"{str(row['capacity_factor']):>5} {row['ms']:9.2f} "
-              f"{row['dense_ms']:9.2f} {row['ratio_to_dense']:6.2f} {peak:9.1f}",
-              flush=True)
+    for dispatcher in dispatchers.split(","):
+      if dispatcher == "einsum" and einsum_elements(shape) > args.max_einsum_elements:
+        print(f"skip einsum at {config} {shape}: dispatch tensor of "
+              f"{einsum_elements(shape)} elements", file=sys.stderr)
+        continue
+      _print_row(bench_row(config, shape, dispatcher, dense, args.runs, args.warmup),
+                 args.json)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from typing import Any, Optional, Tuple
 import gin
 
 from openmoe_jax.moe.dispatch import EinsumDispatcher, SortDispatcher  # noqa: F401
+from openmoe_jax.moe.dispatch_auto import AutoDispatcher
 from openmoe_jax.moe.dispatch_ragged import RaggedDispatcher  # noqa: F401 (gin)
 from openmoe_jax.moe.gates import GATE_KINDS
 from openmoe_jax.moe.routers_expert_choice import ExpertChoiceRouter  # noqa: F401 (gin)
@@ -35,7 +36,8 @@ class MoeConfig:
   size) are always-on and added with weight 1, or with `shared_experts_gated` weighted
   by their own router rows (`router/w_shared`), normalised jointly with the routed
   logits by the gate function (not renormalised, not scaled). `dispatcher` is the
-  dispatch engine chosen in gin: `@EinsumDispatcher()` (the default),
+  dispatch engine chosen in gin: `@AutoDispatcher()` (the default: Pallas ragged on
+  TPU, einsum for small E x C elsewhere, else sort), `@EinsumDispatcher()`,
   `@SortDispatcher()` (same drops, no E x C one-hots) or `@RaggedDispatcher()`
   (grouped matmul; dropless with `TokenChoiceRouter.dropless = True`).
   """
@@ -59,7 +61,7 @@ class MoeConfig:
   num_shared_experts: int = 0
   shared_expert_d_ff: Optional[int] = None
   shared_experts_gated: bool = False
-  dispatcher: Any = dataclasses.field(default_factory=EinsumDispatcher)
+  dispatcher: Any = dataclasses.field(default_factory=AutoDispatcher)
 
   def __post_init__(self):
     if self.gate not in GATE_KINDS:

@@ -40,7 +40,12 @@ LOGICAL_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("act_heads", ("tensor",)),
     ("act_kv", ()),
     ("act_mlp", ("tensor",)),
-    ("expert_group", ()),
+    # MoE dispatch. Token groups [g, s, d] are split like the batch. Inside the expert
+    # buffers [E, g, C, d] the expert dimension takes the 'expert' mesh axis and the
+    # groups keep only the other batch axes, so moving between the two layouts is an
+    # all-to-all over 'expert' (t5x contrib/moe), never an all-gather.
+    ("expert_group", ("data", "fsdp", "expert")),
+    ("expert_buffer_group", ("data", "fsdp")),
     ("capacity", ()),
     ("act_expert", ("expert",)),
 )
@@ -175,6 +180,25 @@ def param_shardings(abstract_boxed_tree, mesh: Mesh):
 
   return jax.tree.map(sharding, abstract_boxed_tree,
                       is_leaf=lambda x: isinstance(x, nn.Partitioned))
+
+
+def mesh_axes(mesh_axis_names: Sequence[str], logical_name: str) -> tuple[str, ...]:
+  """Returns the mesh axes (those present in `mesh_axis_names`) that the rules map
+  `logical_name` to, in order; () when it is replicated."""
+  _check_known_names((logical_name,), "mesh_axes")
+  candidates = dict(LOGICAL_AXES)[logical_name]
+  return tuple(a for a in candidates if a in mesh_axis_names)
+
+
+def logical_spec(mesh_axis_names: Sequence[str], *logical_names: str | None
+                 ) -> PartitionSpec:
+  """Returns the PartitionSpec of an array whose axes have the given logical names
+  (None: replicated), e.g. for `jax.shard_map` in/out specs."""
+  _check_known_names(logical_names, "logical_spec")
+  def entry(name):
+    axes = mesh_axes(mesh_axis_names, name) if name is not None else ()
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+  return PartitionSpec(*map(entry, logical_names))
 
 
 def logical_sharding(mesh: Mesh, *logical_names: str | None) -> NamedSharding:

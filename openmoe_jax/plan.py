@@ -10,6 +10,7 @@ Uses libtpu's description of the topology (`jax.experimental.topologies`), so
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 from typing import Any, Dict, Optional
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 
 from openmoe_jax import gin_utils, param_count, partitioning
 from openmoe_jax.config import ModelConfig
+from openmoe_jax.kernels import target
 from openmoe_jax.model import Decoder
 from openmoe_jax.objectives import CausalLm
 from openmoe_jax.optim import adafactor_openmoe
@@ -43,6 +45,20 @@ def topology_devices(topology: str):
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
+
+
+COLLECTIVES = ("all-to-all", "ragged-all-to-all", "all-gather", "all-reduce",
+               "reduce-scatter", "collective-permute")
+
+
+def count_collectives(hlo_text: str) -> Dict[str, int]:
+  """Returns how many instructions of each kind in COLLECTIVES the compiled HLO holds
+  (async "-start" halves counted once; loop bodies once, like the FLOPs)."""
+  counts = dict.fromkeys(COLLECTIVES, 0)
+  for match in re.finditer(r" ([a-z-]+?)(?:-start)?\(", hlo_text):
+    if match.group(1) in counts:
+      counts[match.group(1)] += 1
+  return counts
 
 
 def analytic_train_flops(cfg: ModelConfig, batch_size: int, sequence_length: int) -> float:
@@ -79,7 +95,9 @@ def plan(topology: str, batch_size: int, sequence_length: int = 2048,
   model = Decoder(cfg)
   start = time.perf_counter()
   key = jax.random.PRNGKey(0)  # made on the host CPU, outside the TPU mesh
-  with partitioning.activate(mesh):
+  # compile_target: trace-time choices (AutoDispatcher, kernel dtypes) follow the
+  # TPU being compiled for, not this CPU.
+  with partitioning.activate(mesh), target.compile_target(devices[0]):
     _, abstract, state_sh = init_train_state(model, optimizer, mesh, key,
                                              sequence_length)
     batch_sh = partitioning.batch_sharding(mesh)
@@ -116,6 +134,7 @@ def plan(topology: str, batch_size: int, sequence_length: int = 2048,
   report = {
       "topology": topology, "device_kind": kind, "num_chips": num_chips,
       "num_devices": len(devices), "mesh": dict(mesh.shape),
+      "dispatcher": type(cfg.moe.dispatcher).__name__,
       "batch_size": batch_size, "sequence_length": sequence_length,
       "hbm_bytes_per_chip": hbm_per_chip, "hbm_bytes_per_device": hbm_per_device,
       "argument_bytes": memory.argument_size_in_bytes,
@@ -125,6 +144,7 @@ def plan(topology: str, batch_size: int, sequence_length: int = 2048,
       "peak_bytes_per_device": peak_bytes, "fits": peak_bytes <= hbm_per_device,
       "compiled_flops": float(cost.get("flops", 0.0)) * len(devices),
       "analytic_flops": analytic, "compile_seconds": time.perf_counter() - start,
+      "collectives": count_collectives(compiled.as_text()),
   }
   if step_time_s:
     report["mfu"] = analytic / (step_time_s * num_chips * peak)
@@ -139,7 +159,8 @@ def format_report(report: Dict[str, Any]) -> str:
             f"x {report['sequence_length']}: DOES NOT FIT ({report['compiler_message']})")
   lines = [
       f"{report['topology']} ({report['device_kind']}): {report['num_chips']} chips, "
-      f"{report['num_devices']} devices, mesh {report['mesh']}",
+      f"{report['num_devices']} devices, mesh {report['mesh']}, MoE dispatch "
+      f"{report['dispatcher']}",
       f"batch {report['batch_size']} x {report['sequence_length']} tokens",
       f"per device: arguments {gib(report['argument_bytes'])}, temp "
       f"{gib(report['temp_bytes'])}, outputs {gib(report['output_bytes'])} (aliased "
@@ -149,6 +170,8 @@ def format_report(report: Dict[str, Any]) -> str:
       f"FLOPs per step: compiled {report['compiled_flops']:.3e} (XLA counts each loop "
       f"body once: scanned layers and microbatches), analytic "
       f"{report['analytic_flops']:.3e}",
+      "collectives in the step: " + ", ".join(
+          f"{name} {n}" for name, n in report["collectives"].items() if n),
   ]
   if "mfu" in report:
     lines.append(f"MFU at the given step time: {100 * report['mfu']:.1f}%")

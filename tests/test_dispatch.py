@@ -9,6 +9,7 @@ import pytest
 from openmoe_jax.config import ModelConfig, MoeConfig
 from openmoe_jax.model import Decoder
 from openmoe_jax.moe.dispatch import EinsumDispatcher, SortDispatcher
+from openmoe_jax.moe.dispatch_auto import AutoDispatcher
 from openmoe_jax.moe.dispatch_ragged import RaggedDispatcher
 from openmoe_jax.moe.layer import MoeLayer
 from openmoe_jax.moe.routers_expert_choice import ExpertChoiceRouter
@@ -97,7 +98,7 @@ def test_dispatcher_chosen_by_gin():
   cfg = MoeConfig()
   assert cfg.dispatcher == RaggedDispatcher(backend="ragged_dot")
   gin.clear_config()
-  assert isinstance(MoeConfig().dispatcher, EinsumDispatcher)
+  assert isinstance(MoeConfig().dispatcher, AutoDispatcher)
   with pytest.raises(ValueError, match="backend"):
     RaggedDispatcher(backend="nope")
 

@@ -38,7 +38,8 @@ GROUPS = {
 
 
 @pytest.mark.parametrize("backend,tile", [("ragged_dot", 128), ("padded", 4),
-                                          ("padded", 1), ("padded", 32)])
+                                          ("padded", 1), ("padded", 32),
+                                          ("pallas", None)])
 @pytest.mark.parametrize("groups", sorted(GROUPS))
 def test_backend_matches_per_group_loop(backend, tile, groups):
   rng = np.random.default_rng(len(groups))

@@ -40,9 +40,12 @@ def test_rules_on_data_mesh_shard_only_batch():
   rules = dict(partitioning.logical_axis_rules())
   expected = {"vocab", "embed", "heads", "kv", "mlp", "expert", "expert_mlp", "layers",
               "unmodeled", "batch", "length", "act_embed", "act_heads", "act_kv",
-              "act_mlp", "expert_group", "capacity", "act_expert"}
+              "act_mlp", "expert_group", "expert_buffer_group", "capacity",
+              "act_expert"}
   assert set(rules) == expected
   assert rules.pop("batch") == "data"
+  assert rules.pop("expert_group") == "data"  # token groups split like the batch
+  assert rules.pop("expert_buffer_group") == "data"
   assert all(v is None for v in rules.values())
 
 

@@ -34,6 +34,9 @@ def test_expert_parallel_step_compiles_for_each_tpu_generation(topology, chips, 
   # the analytic count is 6 x activated params x tokens + attention.
   assert 0.5 < report["compiled_flops"] / report["analytic_flops"] < 4
   assert 0 < report["mfu"] < 1
+  # The default dispatcher picks the TPU expert-parallel path for capacity routing:
+  # a fixed-capacity all_to_all of the expert buffers.
+  assert report["collectives"]["all-to-all"] >= 2
 
 
 def test_cli_json(capsys):

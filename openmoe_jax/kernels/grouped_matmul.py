@@ -14,22 +14,27 @@ out[i] = lhs[i] @ rhs[e(i)] for the rows of group e (groups in order, starting a
   rhs grad accumulates block by block into [E, d, f].
 """
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
-BACKENDS = ("ragged_dot", "padded")
+from openmoe_jax.kernels.pallas_gmm import pallas_gmm
+
+BACKENDS = ("ragged_dot", "padded", "pallas")
 
 
 def grouped_matmul(lhs_nd: jax.Array, rhs_edf: jax.Array, group_sizes_e: jax.Array,
-                   backend: str = "ragged_dot", tile: int = 128) -> jax.Array:
+                   backend: str = "ragged_dot", tile: int = 128,
+                   interpret: Optional[bool] = None) -> jax.Array:
   """Returns [n, f]: each group's rows times its rhs matrix (zeros past the groups)."""
   group_sizes_e = group_sizes_e.astype(jnp.int32)
   if backend == "ragged_dot":
     return jax.lax.ragged_dot(lhs_nd, rhs_edf, group_sizes_e)
   if backend == "padded":
     return _padded_gmm(lhs_nd, rhs_edf, group_sizes_e, tile)
+  if backend == "pallas":
+    return pallas_gmm(lhs_nd, rhs_edf, group_sizes_e, interpret=interpret)
   raise ValueError(f"grouped_matmul backend={backend!r}; choose one of {BACKENDS}")
 
 

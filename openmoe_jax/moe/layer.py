@@ -1,13 +1,15 @@
 """The sparse MoE feed-forward layer: router -> dispatcher -> experts -> combine."""
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Dict, Tuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from openmoe_jax.config import MoeConfig
-from openmoe_jax.layers.mlp import gated_hidden, mlp_params
+# The expert-parallel dispatchers are imported for their gin registration.
+from openmoe_jax.moe import expert_parallel, expert_parallel_ragged  # noqa: F401
 from openmoe_jax.moe import losses
+from openmoe_jax.moe.experts import Experts
 from openmoe_jax.moe.gates import gate_scores
 from openmoe_jax.moe.routers import Router
 
@@ -24,41 +26,6 @@ def group_tokens(x_btd: jax.Array, group_size: int) -> jax.Array:
     raise ValueError(f"MoE group_size {group_size} must divide the {n} tokens of a "
                      f"batch ({b} x {t}); pick a divisor such as {t}")
   return x_btd.reshape(n // s, s, d)
-
-
-class Experts(nn.Module):
-  """E gated MLPs applied to per-expert buffers [E, n, d] -> [E, n, d].
-
-  `grouped` applies them to rows sorted in contiguous expert groups instead.
-  """
-
-  num_experts: int
-  kind: str
-  d_ff: int
-  dtype: Any = jnp.float32
-
-  @nn.compact
-  def __call__(self, x_end: jax.Array, group_sizes_e: Optional[jax.Array] = None,
-               matmul: Optional[Callable] = None) -> jax.Array:
-    wi_0, wi_1, wo = mlp_params(self, self.kind, x_end.shape[-1], self.d_ff,
-                                lead=(self.num_experts,), lead_axes=("expert",),
-                                mlp_axis="expert_mlp")
-    cast = lambda w: w.astype(self.dtype)
-    if group_sizes_e is not None:  # x_end is x_nd here
-      h0 = matmul(x_end, cast(wi_0), group_sizes_e)
-      h1 = matmul(x_end, cast(wi_1), group_sizes_e)
-      return matmul(gated_hidden(self.kind, h0, h1), cast(wo), group_sizes_e)
-    h0 = jnp.einsum("end,edf->enf", x_end, cast(wi_0))
-    h1 = jnp.einsum("end,edf->enf", x_end, cast(wi_1))
-    h_enf = gated_hidden(self.kind, h0, h1)
-    return jnp.einsum("enf,efd->end", h_enf, cast(wo))
-
-  def grouped(self, x_nd: jax.Array, group_sizes_e: jax.Array,
-              matmul: Callable) -> jax.Array:
-    """Returns [n, d]: row block e (of group_sizes_e[e] rows, in order) through expert
-    e, via `matmul(lhs_nd, rhs_edf, group_sizes_e)` (kernels.grouped_matmul); zeros
-    for the rows past the groups."""
-    return self(x_nd, group_sizes_e, matmul)
 
 
 class MoeLayer(nn.Module):

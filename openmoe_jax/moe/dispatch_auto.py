@@ -1,0 +1,91 @@
+"""The default dispatcher: picks a dispatch engine per platform and size at trace time.
+
+- TPU (the attached device, or `kernels.target.compile_target` for ahead-of-time
+  compiles): `RaggedDispatcher(backend="pallas")`, the Pallas grouped matmul and
+  permute kernels (per device under shard_map on a mesh), unless the current mesh
+  splits the experts over devices (expert parallelism; the ragged path would gather
+  every expert's weights onto every device): then
+  `AllToAllDispatcher(buffers=SortDispatcher())` (fixed-capacity all_to_all of the
+  [E, g, C, d] buffers) for capacity-limited routing, and for dropless routing (the
+  buffers would dwarf the choices, as below) on v4 and later
+  `RaggedAllToAllDispatcher(backend="pallas")`, which exchanges exactly the routed
+  rows (v3 has no ragged_all_to_all and keeps the all_to_all).
+- Elsewhere: `EinsumDispatcher` while the one-hot dispatch tensor is small (at most
+  `einsum_max_experts` experts and s x E x C <= `einsum_max_elements` per group);
+  `RaggedDispatcher(backend="padded")` when the capacity buffers would hold more
+  than `ragged_buffer_ratio` x the s x k choices (dropless routing, C up to s);
+  else `SortDispatcher`.
+
+Why those thresholds (benchmarks/moe_layer.py, fwd+bwd on the shared 2-core CPU,
+capacity factor 1.25 per choice, so rough): the one-hot einsums cost O(s E C d) and
+pay off only while that tensor is small. Sort took 0.56x einsum's time at 1024
+tokens, E 8 (s E C = 2.6M), 0.41x at 1024 tokens, E 16 (2.6M), 0.52x at 4096 tokens,
+E 16 (42M) and about 1/6 at E 64 and 256; at 512 tokens, E 16 (0.65M) einsum was
+faster (158 vs 188 ms), and at the quickstart's 256 tokens, E 8 (0.16M) the two
+were within the noise of the loaded machine, where einsum keeps the quickstart's
+numerics. The padded ragged path was faster than sort in one of four small configs
+and slower in three, with 1.5-2x the memory, so sort serves the rest.
+Every choice serves exactly the kept choices of the routing, so the drop decisions
+do not depend on the pick; the numerics differ only in summation order.
+
+Gin: `MoeConfig.dispatcher = @AutoDispatcher()` (the default);
+`AutoDispatcher.einsum_max_elements = 0` never picks einsum.
+"""
+import dataclasses
+import math
+from typing import Any
+
+import gin
+import jax
+
+from openmoe_jax import partitioning
+from openmoe_jax.kernels import target
+from openmoe_jax.moe.dispatch import EinsumDispatcher, SortDispatcher
+from openmoe_jax.moe.dispatch_ragged import RaggedDispatcher
+from openmoe_jax.moe.routers import Routing
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class AutoDispatcher:
+  """Dispatches with the engine `choose` returns for the platform and sizes."""
+
+  einsum_max_experts: int = 16
+  einsum_max_elements: int = 1 << 20  # s x E x C of the one-hot dispatch tensor
+  ragged_buffer_ratio: float = 2.0  # E x C over s x k beyond which ragged serves
+
+  def choose(self, tokens_per_group: int, num_experts: int, capacity: int,
+             choices: int) -> Any:
+    """Returns the dispatcher for groups of `tokens_per_group` tokens with `choices`
+    options each (top-k; E for expert choice) and `capacity` slots per expert."""
+    dropless = (num_experts * capacity
+                > self.ragged_buffer_ratio * tokens_per_group * choices)
+    if target.on_tpu():
+      if not _experts_split():
+        return RaggedDispatcher("pallas")
+      # Imported here: expert_parallel imports the MoE layer's modules.
+      from openmoe_jax.moe import expert_parallel, expert_parallel_ragged  # pylint: disable=g-import-not-at-top
+      if dropless and (target.tpu_generation() or 0) >= 4:
+        return expert_parallel_ragged.RaggedAllToAllDispatcher(backend="pallas")
+      return expert_parallel.AllToAllDispatcher(buffers=SortDispatcher())
+    if (num_experts <= self.einsum_max_experts
+        and tokens_per_group * num_experts * capacity <= self.einsum_max_elements):
+      return EinsumDispatcher()
+    if dropless:
+      return RaggedDispatcher(backend="padded")
+    return SortDispatcher()
+
+  def __call__(self, x_gsd: jax.Array, routing: Routing, experts: Any,
+               num_experts: int) -> jax.Array:
+    engine = self.choose(x_gsd.shape[1], num_experts, routing.capacity,
+                         routing.expert_index.shape[-1])
+    return engine(x_gsd, routing, experts, num_experts)
+
+
+def _experts_split() -> bool:
+  """Returns whether the current mesh (if any) splits experts over devices."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return False
+  axes = partitioning.mesh_axes(mesh.axis_names, "act_expert")
+  return math.prod(mesh.shape[a] for a in axes) > 1

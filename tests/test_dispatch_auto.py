@@ -1,0 +1,74 @@
+"""AutoDispatcher: which engine it picks per platform and size, and that it is that
+engine exactly."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from openmoe_jax import partitioning
+from openmoe_jax.config import MoeConfig
+from openmoe_jax.kernels.target import compile_target
+from openmoe_jax.moe.dispatch import EinsumDispatcher, SortDispatcher
+from openmoe_jax.moe.dispatch_auto import AutoDispatcher
+from openmoe_jax.moe.expert_parallel import AllToAllDispatcher
+from openmoe_jax.moe.expert_parallel_ragged import RaggedAllToAllDispatcher
+from openmoe_jax.moe.dispatch_ragged import RaggedDispatcher
+from openmoe_jax.moe.routers import expert_capacity, top_k_capacity_routing
+
+
+def test_moe_config_defaults_to_auto():
+  assert isinstance(MoeConfig().dispatcher, AutoDispatcher)
+
+
+def test_choice_per_platform_and_size():
+  auto = AutoDispatcher()
+  # The quickstart's MoE layer (groups of 256, E 8, capacity factor 1.25 / 2.0).
+  for cf in (1.25, 2.0):
+    assert auto.choose(256, 8, expert_capacity(256, 8, cf, 4), 2) == EinsumDispatcher()
+  base_capacity = expert_capacity(4096, 16, 1.25, 4)  # OpenMoE-Base's layer
+  assert auto.choose(4096, 16, base_capacity, 2) == SortDispatcher()
+  assert auto.choose(1024, 64, 40, 2) == SortDispatcher()  # E above the einsum limit
+  assert auto.choose(4096, 64, 4096, 2) == RaggedDispatcher("padded")  # dropless
+  for kind in ("TPU v3", "TPU v4", "TPU v5 lite", "TPU v5p", "TPU v6 lite"):
+    with compile_target(kind):
+      assert auto.choose(256, 8, 40, 2) == RaggedDispatcher("pallas")
+  assert AutoDispatcher(einsum_max_elements=0).choose(256, 8, 40, 2) == SortDispatcher()
+  expert_mesh = jax.make_mesh((2, 2), ("data", "expert"), devices=jax.devices()[:4],
+                              axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  data_mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4],
+                            axis_types=(jax.sharding.AxisType.Auto,))
+  with compile_target("TPU v5p"):
+    with partitioning.activate(expert_mesh):
+      assert auto.choose(256, 8, 40, 2) == AllToAllDispatcher(buffers=SortDispatcher())
+      # Dropless (capacity = the group): exact-size ragged exchange.
+      assert auto.choose(256, 8, 256, 2) == RaggedAllToAllDispatcher(backend="pallas")
+    with partitioning.activate(data_mesh):
+      assert auto.choose(256, 8, 40, 2) == RaggedDispatcher("pallas")
+  with compile_target("TPU v3"), partitioning.activate(expert_mesh):
+    # v3 has no ragged_all_to_all: fixed-capacity all_to_all over sorted buffers.
+    assert auto.choose(256, 8, 256, 2) == AllToAllDispatcher(buffers=SortDispatcher())
+
+
+class _Experts:
+  """One linear map per expert, in both dispatcher interfaces."""
+
+  def __init__(self, w_edd):
+    self.w_edd = w_edd
+
+  def __call__(self, x_end):
+    return jnp.einsum("end,edf->enf", x_end, self.w_edd)
+
+  def grouped(self, x_nd, group_sizes_e, matmul):
+    return matmul(x_nd, self.w_edd, group_sizes_e)
+
+
+def test_output_is_the_chosen_engines():
+  g, s, d, num_experts = 2, 16, 8, 4
+  x = jax.random.normal(jax.random.PRNGKey(0), (g, s, d))
+  probs = jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(1), (g, s, num_experts)))
+  routing = top_k_capacity_routing(probs, 2, 5)  # overflow: some choices dropped
+  experts = _Experts(jax.random.normal(jax.random.PRNGKey(2), (num_experts, d, d)))
+  for auto, engine in [(AutoDispatcher(), EinsumDispatcher()),
+                       (AutoDispatcher(einsum_max_elements=0), SortDispatcher())]:
+    got = jax.jit(lambda x: auto(x, routing, experts, num_experts))(x)
+    want = jax.jit(lambda x: engine(x, routing, experts, num_experts))(x)
+    np.testing.assert_array_equal(got, want)
