@@ -58,3 +58,20 @@ def test_a_step_that_cannot_fit_is_reported_not_raised():
   report = plan.plan("v5e:2x2", batch_size=64, sequence_length=2048)
   assert report["fits"] is False and "HBM" in report["compiler_message"]
   assert "DOES NOT FIT" in plan.format_report(report)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", ["v4:2x2x1", "v5e:2x2", "v5p:2x2x1", "v6e:2x2"])
+def test_openmoe_base_preset_compiles_for_small_topologies(topology):
+  # The real Base/16E preset (12 layers, 16 experts, 256,384-entry vocabulary); a
+  # short batch keeps the compile under a minute (one MoE group of 2048 tokens).
+  gin.clear_config()
+  gin_utils.import_configurables()
+  gin_utils.parse_gin(["models/openmoe_base_16e.gin"],
+                      ["make_mesh.data = 1", "make_mesh.expert = -1"], finalize=False)
+  report = plan.plan(topology, batch_size=8, sequence_length=256)
+  assert report["mesh"]["expert"] == report["num_devices"]
+  assert report["fits"] and report["argument_bytes"] > 1 << 30  # ~800M f32 params
+  assert 0 < report["peak_bytes_per_device"] < report["hbm_bytes_per_device"]
+  assert report["collectives"]["all-to-all"] >= 2
+  print(f"{topology}: peak {report['peak_bytes_per_device'] / 2**30:.2f} GiB per device")
