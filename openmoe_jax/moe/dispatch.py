@@ -94,16 +94,6 @@ class EinsumDispatcher:
                       combine_weights(routing, num_experts, y_egcd.dtype))
 
 
-def buffer_rows(routing: Routing, num_experts: int) -> jax.Array:
-  """Returns [g, s, k] int32: the row of each kept choice in the flat expert buffer
-  [E * g * C] (layout [E, g, C], as the einsum path), E * g * C where not kept."""
-  g = routing.expert_index.shape[0]
-  c = routing.capacity
-  group_g11 = jnp.arange(g, dtype=jnp.int32)[:, None, None]
-  row_gsk = routing.expert_index * (g * c) + group_g11 * c + routing.slot
-  return jnp.where(routing.kept, row_gsk, num_experts * g * c).astype(jnp.int32)
-
-
 def group_rows(routing: Routing, num_experts: int) -> jax.Array:
   """Returns [g, s, k] int32: the row of each kept choice in its group's block of the
   buffers, [E * C] (expert-major), and E * C where not kept."""
