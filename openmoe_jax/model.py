@@ -4,11 +4,12 @@ Layers are grouped into segments of a repeating unit (e.g. 3 dense blocks + 1 Mo
 block for OpenMoE's every-4th layout) and each segment is an `nn.scan` over its
 unit, so compile time does not grow with depth.
 """
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from openmoe_jax.config import ModelConfig
 from openmoe_jax.layers.attention import Attention, make_attention_mask
@@ -51,6 +52,60 @@ def scan_unit_length(cfg: ModelConfig) -> int:
   layers = cfg.sparse_layers()
   cost = lambda n: sum(len(unit) for unit, _ in layer_segments(layers, n))
   return min(range(1, len(layers) + 1), key=lambda n: (cost(n), n))
+
+
+class LayerSlot(NamedTuple):
+  """Where one layer's block lives in the parameter (and intermediates) tree.
+
+  `tree[segment][block]`, indexed by `repeat` along the leading scan axis when the
+  segment is scanned (`repeat` None: an unscanned copy named `layers_<i>_<r>`).
+  """
+
+  segment: str
+  block: str
+  repeat: Optional[int]
+  sparse: bool
+
+
+def layer_slots(cfg: ModelConfig) -> List[LayerSlot]:
+  """Returns, per model layer in depth order, the LayerSlot holding its block.
+
+  The one definition of the decoder's parameter layout: `Decoder` builds its
+  segments from the same `layer_segments(..., scan_unit_length(cfg))`; upcycling,
+  the routing recorder and checkpoint conversion read layers through this.
+  """
+  slots = []
+  for i, (unit, repeats) in enumerate(
+      layer_segments(cfg.sparse_layers(), scan_unit_length(cfg))):
+    for r in range(repeats):
+      for j, sparse in enumerate(unit):
+        if cfg.scan_layers:
+          slots.append(LayerSlot(f"layers_{i}", f"block_{j}", r, sparse))
+        else:
+          slots.append(LayerSlot(f"layers_{i}_{r}", f"block_{j}", None, sparse))
+  return slots
+
+
+def get_layer(tree: Dict, slot: LayerSlot) -> Dict:
+  """Returns one layer's block subtree of `tree` as numpy (scan axis indexed away)."""
+  sub = tree[slot.segment][slot.block]
+  if slot.repeat is None:
+    return jax.tree.map(np.asarray, sub)
+  return jax.tree.map(lambda a: np.asarray(a)[slot.repeat], sub)
+
+
+def set_layer(tree: Dict, slot: LayerSlot, block_tree: Dict) -> None:
+  """Writes one layer's block subtree into `tree` (numpy leaves, in place)."""
+
+  def write(dst, new):
+    for key, value in new.items():
+      if isinstance(value, dict):
+        write(dst[key], value)
+      elif slot.repeat is None:
+        dst[key] = np.asarray(value, dst[key].dtype)
+      else:
+        dst[key][slot.repeat] = value
+  write(tree[slot.segment][slot.block], block_tree)
 
 
 class Block(nn.Module):

@@ -17,7 +17,7 @@ MODEL_DIR with a step-0 checkpoint: train with the same gin files and
 import json
 import os
 import sys
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List
 
 import jax
 import numpy as np
@@ -27,51 +27,9 @@ from openmoe_jax.checkpoints import Checkpointer
 from openmoe_jax.config import ModelConfig
 from openmoe_jax.data import pipeline
 from openmoe_jax.layers.mlp import wi_0_width
-from openmoe_jax.model import Decoder, layer_segments, scan_unit_length
+from openmoe_jax.model import Decoder, get_layer, layer_slots, set_layer
 from openmoe_jax.run_loader import load_run, query, restore_params
 from openmoe_jax.trainer import TrainState, build_model_config, init_train_state
-
-# A layer's parameters live at params[segment][block], indexed by `repeat` along the
-# scan axis when scanned (None: an unscanned copy `layers_<i>_<r>`).
-LayerSlot = Tuple[str, str, Any]
-
-
-def layer_slots(cfg: ModelConfig) -> List[LayerSlot]:
-  """Returns, per layer in depth order, where its block's params live."""
-  slots = []
-  for i, (unit, repeats) in enumerate(
-      layer_segments(cfg.sparse_layers(), scan_unit_length(cfg))):
-    for r in range(repeats):
-      for j in range(len(unit)):
-        if cfg.scan_layers:
-          slots.append((f"layers_{i}", f"block_{j}", r))
-        else:
-          slots.append((f"layers_{i}_{r}", f"block_{j}", None))
-  return slots
-
-
-def get_layer(params: Dict, slot: LayerSlot) -> Dict:
-  """Returns the block params of one layer (numpy, the scan axis indexed away)."""
-  segment, block, repeat = slot
-  tree = params[segment][block]
-  return jax.tree.map(lambda a: np.asarray(a) if repeat is None else np.asarray(a)[repeat],
-                      tree)
-
-
-def set_layer(params: Dict, slot: LayerSlot, block_params: Dict) -> None:
-  """Writes one layer's block params into `params` (numpy leaves, in place)."""
-  segment, block, repeat = slot
-
-  def write(tree, new):
-    for key, value in new.items():
-      if isinstance(value, dict):
-        write(tree[key], value)
-      elif repeat is None:
-        tree[key] = np.asarray(value, tree[key].dtype)
-      else:
-        tree[key][repeat] = value
-  write(params[segment][block], block_params)
-
 
 def split_ffn_into_experts(mlp: Dict, kind: str, num_experts: int,
                            expert_d_ff: int) -> Dict[str, np.ndarray]:
@@ -107,11 +65,9 @@ def upcycle_params(dense_params: Dict, dense_cfg: ModelConfig, moe_params: Dict,
   out = jax.tree.map(lambda a: np.array(a), moe_params)
   for key in ("embed", "final_norm", "head"):
     out[key] = jax.tree.map(np.asarray, dense_params[key])
-  dense_slots, moe_slots = layer_slots(dense_cfg), layer_slots(moe_cfg)
-  for sparse, dense_slot, moe_slot in zip(moe_cfg.sparse_layers(), dense_slots,
-                                          moe_slots):
+  for dense_slot, moe_slot in zip(layer_slots(dense_cfg), layer_slots(moe_cfg)):
     layer = get_layer(dense_params, dense_slot)
-    if not sparse:
+    if not moe_slot.sparse:
       set_layer(out, moe_slot, layer)
       continue
     experts = split_ffn_into_experts(layer["mlp"], moe_cfg.mlp_kind,

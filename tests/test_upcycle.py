@@ -7,10 +7,10 @@ import pytest
 
 from openmoe_jax.config import ModelConfig, MoeConfig
 from openmoe_jax.layers.mlp import Mlp
-from openmoe_jax.model import Decoder
 from openmoe_jax.moe.layer import Experts
 from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter
-from openmoe_jax.upcycle import get_layer, layer_slots, split_ffn_into_experts, upcycle_params
+from openmoe_jax.model import Decoder, get_layer, layer_slots
+from openmoe_jax.upcycle import split_ffn_into_experts, upcycle_params
 
 DENSE = ModelConfig(vocab_size=64, d_model=16, num_heads=2, head_dim=8, d_ff=24,
                     num_layers=4, mlp_kind="swiglu", layer_pattern="DDDD")

@@ -77,7 +77,7 @@ def make_routing_fn(cfg: ModelConfig, train: bool = True) -> Callable:
         positions_bt=batch["decoder_positions"],
         segment_ids_bt=batch["decoder_segment_ids"], attention_kind="causal",
         train=train, mutable=["intermediates"])
-    return flatten_routing(state["intermediates"], cfg), aux
+    return flatten_routing(state.get("intermediates", {}), cfg), aux
   return jax.jit(routing_fn)
 
 

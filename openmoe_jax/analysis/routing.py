@@ -1,16 +1,16 @@
 """Per-token routing decisions out of a Decoder call, in MoE-layer order.
 
 `MoeLayer` sows `routing` = {expert_index, gates, kept}, each [b, t, k], into the
-"intermediates" collection. Under a scanned segment `layers_<i>` the arrays carry a
-leading repeats axis; with `scan_layers=False` each repeat is its own module
-`layers_<i>_<r>`. `flatten_routing` undoes both layouts.
+"intermediates" collection, which mirrors the parameter tree: `model.layer_slots`
+says where each layer's routing sits (scanned or not). `flatten_routing` reads it
+back in layer order.
 """
 from typing import Any, Dict, List, Mapping
 
 import jax.numpy as jnp
 
 from openmoe_jax.config import ModelConfig
-from openmoe_jax.model import layer_segments
+from openmoe_jax.model import layer_slots
 
 ROUTING_KEYS = ("expert_index", "gates", "kept")
 
@@ -20,33 +20,23 @@ def moe_layer_numbers(cfg: ModelConfig) -> List[int]:
   return [i for i, sparse in enumerate(cfg.sparse_layers()) if sparse]
 
 
-def _sown(tree: Mapping[str, Any], block: int) -> Dict[str, Any]:
-  routing = tree[f"block_{block}"]["moe"]["routing"]
-  return routing[0] if isinstance(routing, tuple) else routing
-
-
 def flatten_routing(intermediates: Mapping[str, Any], cfg: ModelConfig
                     ) -> Dict[str, jnp.ndarray]:
   """Returns {expert_index, gates, kept}, each [L_moe, b, t, k], in layer order.
 
   `intermediates` is `state["intermediates"]` of
-  `Decoder(cfg).apply(..., mutable=["intermediates"])`. Layer order matches the
-  model's per-layer aux (`drop_fraction`, `expert_load`): segments in order, and
-  within a segment repeat-major, then block index.
+  `Decoder(cfg).apply(..., mutable=["intermediates"])`; it mirrors the parameter
+  tree, so `model.layer_slots` says where each layer's sown routing lives. Layer order
+  matches the model's per-layer aux (`drop_fraction`, `expert_load`).
   """
   per_layer: List[Dict[str, Any]] = []
-  unit_length = cfg.sparse_interval or 1
-  for i, (unit, repeats) in enumerate(layer_segments(cfg.sparse_layers(), unit_length)):
-    blocks = [j for j, sparse in enumerate(unit) if sparse]
-    if not blocks:
+  for slot in layer_slots(cfg):
+    if not slot.sparse:
       continue
-    for r in range(repeats):
-      for j in blocks:
-        if cfg.scan_layers:
-          routing = _sown(intermediates[f"layers_{i}"], j)
-          per_layer.append({k: routing[k][r] for k in ROUTING_KEYS})
-        else:
-          per_layer.append(dict(_sown(intermediates[f"layers_{i}_{r}"], j)))
+    routing = intermediates[slot.segment][slot.block]["moe"]["routing"]
+    routing = routing[0] if isinstance(routing, tuple) else routing
+    per_layer.append({k: routing[k] if slot.repeat is None else routing[k][slot.repeat]
+                      for k in ROUTING_KEYS})
   if not per_layer:
     raise ValueError("the model has no MoE layer: nothing to analyse")
   return {k: jnp.stack([layer[k] for layer in per_layer]) for k in ROUTING_KEYS}
