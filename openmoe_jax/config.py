@@ -113,6 +113,9 @@ class ModelConfig:
   norm_eps: float = 1e-6
   emb_init_std: float = 1.0
   qk_norm: bool = False  # RMSNorm on each head's queries and keys (OpenMoE 2)
+  # False: attention logits are not scaled by 1/sqrt(head_dim) (T5 / flaxformer /
+  # OpenMoE v1, which fold the factor into the query initialisation instead).
+  scale_attention_logits: bool = True
 
   def __post_init__(self):
     _check_choice("mlp_kind", self.mlp_kind, MLP_KINDS)

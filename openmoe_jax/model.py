@@ -122,7 +122,8 @@ class Block(nn.Module):
     norm = lambda name: RMSNorm(cfg.norm_eps, dtype, name=name)
     h_btd = norm("pre_attention_norm")(x_btd)
     x_btd = x_btd + Attention(cfg.num_heads, cfg.head_dim, cfg.rope_base, dtype,
-                              cfg.qk_norm, cfg.norm_eps, name="attention")(
+                              cfg.qk_norm, cfg.norm_eps, cfg.scale_attention_logits,
+                              name="attention")(
                                   h_btd, positions_bt, mask_b1tt)
     aux = None
     if self.sparse:

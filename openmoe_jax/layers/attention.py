@@ -47,7 +47,11 @@ class Attention(nn.Module):
   appended to a cache (created at the length of the first such call) and queries
   attend causally to everything cached so far; `mask_b1tt` is then ignored (one
   sequence per row). `qk_norm`: RMSNorm over each head's queries and keys before
-  RoPE (OpenMoE 2 / OLMo-style QK-norm), eps `norm_eps`.
+  RoPE (OpenMoE 2 / OLMo-style QK-norm), eps `norm_eps`. `scale_logits`: multiply
+  the logits by 1/sqrt(head_dim) (the usual choice); False computes unscaled
+  logits as T5, flaxformer and OpenMoE v1 do, and folds the factor into the query
+  initialisation instead (normal((d * head_dim)^-1/2)), so training from scratch
+  starts from the same function.
   """
 
   num_heads: int
@@ -56,10 +60,14 @@ class Attention(nn.Module):
   dtype: jnp.dtype = jnp.float32
   qk_norm: bool = False
   norm_eps: float = 1e-6
+  scale_logits: bool = True
 
   def _proj(self, name, x_btd):
     d = x_btd.shape[-1]
-    init = nn.initializers.normal(d ** -0.5)
+    std = d ** -0.5
+    if name == "query" and not self.scale_logits:
+      std *= self.head_dim ** -0.5
+    init = nn.initializers.normal(std)
     kernel = self.param(
         name, nn.with_logical_partitioning(init, ("embed", "heads", "kv")),
         (d, self.num_heads, self.head_dim), jnp.float32)
@@ -81,7 +89,8 @@ class Attention(nn.Module):
       k_bthk, v_bthk, mask_b1tt = self._update_cache(k_bthk, v_bthk)
     scores_bhqk = jnp.einsum("bqhk,bshk->bhqs", q_bthk, k_bthk,
                              preferred_element_type=jnp.float32)
-    scores_bhqk = scores_bhqk * (self.head_dim ** -0.5)
+    if self.scale_logits:
+      scores_bhqk = scores_bhqk * (self.head_dim ** -0.5)
     scores_bhqk = jnp.where(mask_b1tt, scores_bhqk, jnp.finfo(jnp.float32).min)
     probs_bhqk = jax.nn.softmax(scores_bhqk, axis=-1).astype(self.dtype)
     out_bthk = jnp.einsum("bhqs,bshk->bqhk", probs_bhqk, v_bthk)
