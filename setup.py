@@ -53,6 +53,7 @@ INSTALL_REQUIRES = [
     "clu==0.0.12",
     "numpy==2.4.6",
     "matplotlib==3.11.2",
+    "safetensors==0.8.0",
 ]
 
 setuptools.setup(
@@ -90,6 +91,7 @@ setuptools.setup(
             "openmoe-eval=openmoe_jax.evaluate:main",
             "openmoe-upcycle=openmoe_jax.upcycle:main",
             "openmoe-ablate=openmoe_jax.ablate:main",
+            "openmoe-convert=openmoe_jax.cli.convert:main",
         ],
     },
 )

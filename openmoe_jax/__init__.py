@@ -8,6 +8,14 @@ import sys as _sys
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name):
+  """`openmoe_jax.load_model` without importing jax at package import."""
+  if name == "load_model":
+    from openmoe_jax.loading import load_model  # pylint: disable=g-import-not-at-top
+    return load_model
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 _REPO = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
 _TASKS_DIR = _os.path.join(_REPO, "tasks")
 

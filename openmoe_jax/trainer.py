@@ -24,6 +24,7 @@ import optax
 from openmoe_jax import gin_utils, partitioning
 from openmoe_jax.checkpoints import Checkpointer, abstract_with_shardings
 from openmoe_jax.config import ModelConfig
+from openmoe_jax.convert import params_export
 from openmoe_jax.data import pipeline
 from openmoe_jax.metrics import MetricsLogger, ProgressPrinter, to_float
 from openmoe_jax.model import Decoder
@@ -244,6 +245,11 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
       state, position = ckpt.restore(
           abstract_state=abstract_with_shardings(abstract, state_sh))
       print_fn(f"Resumed from step {int(state.step)} in {model_dir}")
+    elif params_export.is_params_export(model_dir):
+      state, position = _start_from_params_export(
+          model_dir, optimizer, abstract, state_sh), {"train_batches": 0}
+      print_fn(f"Starting from the params export in {model_dir} at step "
+               f"{int(state.step)} (fresh optimizer state)")
     else:
       state, position = init(rng), {"train_batches": 0}
     start = int(state.step)
@@ -282,6 +288,18 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
     ckpt.close()
     logger.close()
   return summary
+
+
+def _start_from_params_export(model_dir, optimizer, abstract, state_sh) -> TrainState:
+  """Returns a TrainState holding a params export's parameters (restored straight
+  into their shardings), a fresh optimizer state and the export's step."""
+  params = params_export.restore(
+      model_dir, abstract_with_shardings(abstract.params, state_sh.params))
+  step = params_export.read_metadata(model_dir)["step"]
+  fresh = jax.jit(lambda p: TrainState(step=jnp.asarray(step, jnp.int32), params=p,
+                                       opt_state=optimizer.init(p)),
+                  out_shardings=state_sh)
+  return fresh(params)
 
 
 def maybe_initialize_distributed(enabled: Optional[bool]) -> bool:

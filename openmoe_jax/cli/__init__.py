@@ -1,0 +1,1 @@
+"""Command-line programs (console scripts declared in setup.py)."""

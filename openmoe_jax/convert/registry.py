@@ -1,0 +1,29 @@
+"""Every external layout by name, and the refusal check across all of them."""
+from typing import Callable, Dict, Tuple
+
+from openmoe_jax.config import ModelConfig
+from openmoe_jax.convert.layout import ConversionError, Layout, check_supported
+from openmoe_jax.convert.openmoe import HF_OPENMOE, T5X_OPENMOE, openmoe_hf_config
+
+T5X = T5X_OPENMOE
+# name -> (layout, config.json builder)
+HF_LAYOUTS: Dict[str, Tuple[Layout, Callable[[ModelConfig], dict]]] = {
+    "openmoe": (HF_OPENMOE, openmoe_hf_config),
+}
+_MODEL_TYPES = {"OpenMoeForCausalLM": "openmoe"}
+
+
+def check(cfg: ModelConfig, layout: Layout) -> None:
+  """Raises ConversionError naming the first option `layout` cannot express and the
+  layouts that would take it."""
+  check_supported(cfg, layout, [T5X] + [l for l, _ in HF_LAYOUTS.values()])
+
+
+def layout_of(config_json: dict) -> str:
+  """Returns the layout name of a Hugging Face config.json (by its architectures)."""
+  for arch in config_json.get("architectures") or ():
+    if arch in _MODEL_TYPES:
+      return _MODEL_TYPES[arch]
+  raise ConversionError(
+      f"config.json architectures {config_json.get('architectures')} match no layout "
+      f"({', '.join(sorted(HF_LAYOUTS))}); pass --layout")

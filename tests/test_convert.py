@@ -1,0 +1,239 @@
+"""openmoe-convert: t5x in (against an independent NumPy OpenMoE forward), the
+OpenMoE Hugging Face layout and params exports round trip bit-exactly, refusals."""
+import json
+import os
+import shutil
+
+import flax.linen as nn
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from openmoe_jax import gin_utils, load_model
+from openmoe_jax.checkpoints import Checkpointer
+from openmoe_jax.cli import convert as convert_cli
+from openmoe_jax.config import ModelConfig
+from openmoe_jax.convert.hf_io import SafetensorsReader
+from openmoe_jax.model import Decoder
+from openmoe_jax.trainer import TrainState
+from openmoe_numpy_forward import openmoe_logits
+from t5x_format import write_t5x_checkpoint
+
+D, H, HD, F, E, V, LAYERS, INTERVAL = 32, 2, 8, 16, 4, 64, 4, 2
+# OpenMoE's preset, shrunk; capacity large enough that nothing drops (the NumPy
+# forward routes without capacity).
+GIN = ["--gin_file=models/openmoe_base_16e.gin"] + [
+    f"--gin.{k}={v}" for k, v in {
+        "ModelConfig.d_model": D, "ModelConfig.num_heads": H, "ModelConfig.head_dim": HD,
+        "ModelConfig.d_ff": F, "ModelConfig.num_layers": LAYERS,
+        "ModelConfig.sparse_interval": INTERVAL, "ModelConfig.vocab_size": V,
+        "MoeConfig.num_experts": E, "MoeConfig.group_size": 64,
+        "MoeConfig.min_capacity": 64}.items()]
+
+
+def _t5x_weights(seed=0):
+  """Returns random OpenMoE weights under t5x names with t5x shapes."""
+  rng = np.random.default_rng(seed)
+  normal = lambda *shape: rng.normal(0, 0.3, shape).astype(np.float32)
+  w = {"token_embedder/embedding": normal(V, D),
+       "decoder/decoder_norm/scale": 1 + normal(D),
+       "decoder/logits_dense/kernel": normal(D, V)}
+  for i in range(LAYERS):
+    p = f"decoder/layers_{i}/"
+    w[p + "pre_self_attention_layer_norm/scale"] = 1 + normal(D)
+    for n in ("query", "key", "value"):
+      w[p + f"self_attention/{n}/kernel"] = normal(D, H * HD)
+    w[p + "self_attention/out/kernel"] = normal(H * HD, D)
+    w[p + "pre_mlp_layer_norm/scale"] = 1 + normal(D)
+    mlps = ["extra_mlp"] if (i + 1) % INTERVAL == 0 else ["mlp"]
+    if (i + 1) % INTERVAL == 0:
+      w[p + "mlp/router/router_weights/w/kernel"] = normal(D, E)
+      w[p + "mlp/expert/wi_0/kernel"] = normal(E, D, 2 * F)
+      w[p + "mlp/expert/wi_1/kernel"] = normal(E, D, F)
+      w[p + "mlp/expert/wo/kernel"] = normal(E, F, D)
+      w[p + "pre_extra_mlp_layer_norm/scale"] = 1 + normal(D)
+    for m in mlps:
+      w[p + f"{m}/wi_0/kernel"] = normal(D, 2 * F)
+      w[p + f"{m}/wi_1/kernel"] = normal(D, F)
+      w[p + f"{m}/wo/kernel"] = normal(F, D)
+  return w
+
+
+def _convert(*args):
+  lines = []
+  convert_cli.run(list(args), say=lines.append)
+  return lines
+
+
+def _tokens():
+  return np.random.default_rng(1).integers(0, V, (2, 16)).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def t5x_export(tmp_path_factory):
+  """(t5x weights, t5x folder, params export converted from it)."""
+  root = tmp_path_factory.mktemp("t5x")
+  weights = _t5x_weights()
+  write_t5x_checkpoint(str(root / "ckpt"), 1000, weights)
+  out = str(root / "export")
+  _convert("from-t5x", f"--checkpoint={root / 'ckpt'}", f"--output={out}", "--step=7",
+           *GIN)
+  return weights, str(root / "ckpt"), out
+
+
+def test_t5x_checkpoint_loads_to_openmoes_own_forward(t5x_export):
+  weights, _, out = t5x_export
+  model, params, vocab = load_model(out)
+  assert vocab is None  # the preset binds vocab_size and names no task
+  assert not model.config.scale_attention_logits
+  tokens = _tokens()
+  logits, aux = model.apply({"params": params}, jnp.asarray(tokens))
+  assert float(jnp.max(aux["drop_fraction"])) == 0.0
+  expected = openmoe_logits(weights, tokens, num_layers=LAYERS, moe_interval=INTERVAL,
+                            num_heads=H, head_dim=HD)
+  np.testing.assert_allclose(np.asarray(logits), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_t5x_export_records_step_and_source(t5x_export):
+  _, ckpt, out = t5x_export
+  with open(os.path.join(out, "export.json")) as f:
+    meta = json.load(f)
+  assert meta["step"] == 7 and ckpt in meta["source"]
+  assert meta["num_params"] == sum(np.size(w) for w in _t5x_weights().values())
+
+
+def test_openmoe_hf_round_trip_is_bit_exact(t5x_export, tmp_path):
+  _, _, out = t5x_export
+  hf = str(tmp_path / "hf")
+  _convert("to-hf", f"--model_dir={out}", f"--output={hf}", "--layout=openmoe",
+           "--max_shard_gb=0.00002")  # ~20 kB shards: exercises the shard index
+  files = os.listdir(hf)
+  assert "model.safetensors.index.json" in files and "config.json" in files
+  with open(os.path.join(hf, "config.json")) as f:
+    config = json.load(f)
+  assert (config["moe_layer_interval"], config["num_experts"], config["head_dim"]) == (
+      INTERVAL, E, HD)
+  back = str(tmp_path / "back")
+  _convert("from-hf", f"--checkpoint={hf}", f"--output={back}", *GIN)
+  _, original, _ = load_model(out)
+  _, restored, _ = load_model(back)
+  jax.tree.map(np.testing.assert_array_equal, original, restored)
+
+
+def test_params_export_of_a_training_dir_loads_bit_exactly(tmp_path):
+  gin.clear_config()
+  gin_utils.import_configurables()
+  gin_utils.parse_gin([GIN[0].split("=", 1)[1]],
+                      [a[len("--gin."):].replace("=", " = ", 1) for a in GIN[1:]],
+                      finalize=False)
+  cfg = ModelConfig()
+  params = nn.unbox(Decoder(cfg).init(jax.random.PRNGKey(3),
+                                      jnp.zeros((1, 8), jnp.int32))["params"])
+  run = tmp_path / "run"
+  with Checkpointer(str(run)) as ckpt:
+    ckpt.save(5, TrainState(step=np.asarray(5, np.int32), params=params,
+                            opt_state={}), force=True)
+  (run / "config.gin").write_text(gin.config_str())
+  export = str(tmp_path / "export")
+  _convert("params", f"--model_dir={run}", f"--output={export}")
+  _, restored, _ = load_model(export)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b),
+               params, restored)
+  half = str(tmp_path / "bf16")
+  _convert("params", f"--model_dir={run}", f"--output={half}", "--dtype=bfloat16")
+  _, restored, _ = load_model(half)
+  assert {str(x.dtype) for x in jax.tree.leaves(restored)} == {"bfloat16"}
+
+
+def _fails(capsys, *args):
+  assert convert_cli.main(list(args)) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("openmoe-convert: error: ")
+  return err[0]
+
+
+def test_shape_mismatch_names_the_parameter_and_both_shapes(t5x_export, tmp_path,
+                                                             capsys):
+  _, ckpt, _ = t5x_export
+  out = tmp_path / "out"
+  err = _fails(capsys, "from-t5x", f"--checkpoint={ckpt}", f"--output={out}", *GIN,
+               "--gin.ModelConfig.d_ff=24")
+  assert "layers.0.mlp.wi_0" in err and "(32, 32)" in err and "(32, 48)" in err
+  assert not out.exists()
+
+
+def test_missing_array_folder_is_named(t5x_export, tmp_path, capsys):
+  _, ckpt, _ = t5x_export
+  broken = tmp_path / "broken"
+  shutil.copytree(ckpt, broken)
+  step_dir = broken / "checkpoint_1000"
+  shutil.rmtree(step_dir / "target.decoder.layers_1.mlp.expert.wo.kernel")
+  out = tmp_path / "out"
+  err = _fails(capsys, "from-t5x", f"--checkpoint={broken}", f"--output={out}", *GIN)
+  assert "decoder/layers_1/mlp/expert/wo/kernel" in err and "missing" in err
+  assert not out.exists()
+  err = _fails(capsys, "from-t5x", f"--checkpoint={tmp_path / 'nowhere'}",
+               f"--output={out}", *GIN)
+  assert "no such directory" in err
+
+
+def test_unsupported_option_is_refused_with_the_layouts_that_take_it(tmp_path, capsys):
+  run = tmp_path / "run"
+  gin.clear_config()
+  gin_utils.import_configurables()
+  cfg = ModelConfig(vocab_size=V, d_model=D, num_heads=H, head_dim=HD, d_ff=F,
+                    num_layers=2, sparse_interval=2, qk_norm=True,
+                    scale_attention_logits=False)
+  params = nn.unbox(Decoder(cfg).init(jax.random.PRNGKey(0),
+                                      jnp.zeros((1, 8), jnp.int32))["params"])
+  with Checkpointer(str(run)) as ckpt:
+    ckpt.save(1, TrainState(step=np.asarray(1, np.int32), params=params, opt_state={}),
+              force=True)
+  (run / "config.gin").write_text("\n".join(
+      f"ModelConfig.{k} = {v!r}" for k, v in dict(
+          vocab_size=V, d_model=D, num_heads=H, head_dim=HD, d_ff=F, num_layers=2,
+          sparse_interval=2, qk_norm=True, scale_attention_logits=False).items()))
+  out = tmp_path / "hf"
+  err = _fails(capsys, "to-hf", f"--model_dir={run}", f"--output={out}", "--layout=openmoe")
+  assert "qk_norm = True" in err and "'openmoe'" in err
+  assert not out.exists()
+
+
+def _colossalai_to_t5x(hf_tensors):
+  """Returns t5x-named weights from the OpenMoE Hugging Face layout by inverting
+  ColossalAI's convert_openmoe_ckpt.py mapping (written here independently)."""
+  w = {"token_embedder/embedding": hf_tensors["model.embed_tokens.weight"],
+       "decoder/decoder_norm/scale": hf_tensors["model.norm.weight"],
+       "decoder/logits_dense/kernel": hf_tensors["lm_head.weight"].T}
+  for i in range(LAYERS):
+    hf, p = f"model.layers.{i}.", f"decoder/layers_{i}/"
+    w[p + "pre_self_attention_layer_norm/scale"] = hf_tensors[hf + "input_layernorm.weight"]
+    for t5x, torch_name in (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj"),
+                            ("out", "o_proj")):
+      w[p + f"self_attention/{t5x}/kernel"] = hf_tensors[hf + f"self_attn.{torch_name}.weight"].T
+    w[p + "pre_mlp_layer_norm/scale"] = hf_tensors[hf + "post_attention_layernorm.weight"]
+    mlp = "mlp"
+    if (i + 1) % INTERVAL == 0:
+      w[p + "mlp/router/router_weights/w/kernel"] = hf_tensors[hf + "mlp.gate_weight"].T
+      for t5x, name in (("wi_0", "wi_gate"), ("wi_1", "wi_up"), ("wo", "wo")):
+        w[p + f"mlp/expert/{t5x}/kernel"] = hf_tensors[hf + f"mlp.experts.{name}"]
+      w[p + "pre_extra_mlp_layer_norm/scale"] = hf_tensors[hf + "pre_extra_mlp_layernorm.weight"]
+      mlp = "extra_mlp"
+    for t5x, name in (("wi_0", "gate_proj"), ("wi_1", "up_proj"), ("wo", "down_proj")):
+      w[p + f"{mlp}/{t5x}/kernel"] = hf_tensors[hf + f"{mlp}.{name}.weight"].T
+  return w
+
+
+def test_openmoe_hf_export_holds_colossalais_layout(t5x_export, tmp_path):
+  """The exported tensors, read back through ColossalAI's own name mapping, are the
+  original t5x weights: a swap that a round trip cannot see would show here."""
+  weights, _, out = t5x_export
+  hf = str(tmp_path / "hf")
+  _convert("to-hf", f"--model_dir={out}", f"--output={hf}", "--layout=openmoe")
+  reader = SafetensorsReader(hf)
+  mapped = _colossalai_to_t5x({n: reader.read(n) for n in reader.names})
+  assert set(mapped) == set(weights) and len(reader.names) == len(weights)
+  for name, value in weights.items():
+    np.testing.assert_array_equal(mapped[name], value, err_msg=name)
