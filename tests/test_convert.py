@@ -15,7 +15,8 @@ from openmoe_jax import gin_utils, load_model
 from openmoe_jax.checkpoints import Checkpointer
 from openmoe_jax.cli import convert as convert_cli
 from openmoe_jax.config import ModelConfig
-from openmoe_jax.convert.hf_io import SafetensorsReader
+from openmoe_jax.convert.hf_io import SafetensorsReader, write_tokenizer
+from openmoe_jax.data import pipeline
 from openmoe_jax.model import Decoder
 from openmoe_jax.trainer import TrainState
 from openmoe_numpy_forward import openmoe_logits
@@ -237,3 +238,50 @@ def test_openmoe_hf_export_holds_colossalais_layout(t5x_export, tmp_path):
   assert set(mapped) == set(weights) and len(reader.names) == len(weights)
   for name, value in weights.items():
     np.testing.assert_array_equal(mapped[name], value, err_msg=name)
+
+
+def test_exported_tokenizer_encodes_like_our_vocabulary(tmp_path):
+  import transformers  # pylint: disable=g-import-not-at-top
+  gin_utils.import_configurables()
+  vocab = pipeline.vocabulary_for("local_mix")
+  write_tokenizer(str(tmp_path), vocab, 256)
+  tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+  assert len(tokenizer) == vocab.vocab_size and tokenizer.eos_token_id == vocab.eos_id
+  for text in ("def add(a, b):\n    return a + b\n", "Two  spaces\tand a tab",
+               "<extra_id_0> sentinel", " leading space", "ünïcödé → 漢字"):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert ids == vocab.encode(text), text
+    assert tokenizer.sp_model.decode(ids) == text
+
+
+@pytest.mark.slow
+def test_training_continues_from_a_params_export(tmp_path):
+  """A params export is a MODEL_DIR openmoe-train starts from: its parameters, its
+  step, a fresh optimizer state; then its own checkpoints take over."""
+  from test_train import TINY_BINDINGS  # pylint: disable=g-import-not-at-top
+  from openmoe_jax.trainer import train  # pylint: disable=g-import-not-at-top
+
+  def configure(model_dir, steps):
+    gin.clear_config()
+    gin_utils.import_configurables()
+    gin_utils.parse_gin(["runs/quickstart.gin"], TINY_BINDINGS + [
+        f"MODEL_DIR = '{model_dir}'", f"TRAIN_STEPS = {steps}",
+        "train.eval_every_steps = 100", "train.checkpoint_every_steps = 100",
+        "adamw_warmup_cosine.warmup_steps = 1", "adamw_warmup_cosine.total_steps = 4"])
+
+  run, export = str(tmp_path / "run"), str(tmp_path / "export")
+  configure(run, 2)
+  train(print_fn=lambda *_: None)
+  _convert("params", f"--model_dir={run}", f"--output={export}")
+  configure(export, 4)
+  lines = []
+  summary = train(print_fn=lines.append)
+  assert any("Starting from the params export" in l and "step 2" in l for l in lines)
+  assert (summary["start_step"], summary["final_step"]) == (2, 4)
+  _, params, _ = load_model(export)  # now the run's own step-4 checkpoint
+  _, exported, _ = load_model(run)
+  moved = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(
+      np.asarray(a) - np.asarray(b)).max()), params, exported))
+  # The fresh optimizer state restarts the schedule (warmup: lr 0 at its first
+  # step), so the second step moves the exported parameters.
+  assert max(moved) > 0

@@ -108,13 +108,19 @@ def write_config(output: str, config: Dict) -> None:
 
 def write_tokenizer(output: str, vocabulary, max_length: Optional[int] = None) -> List[str]:
   """Writes the SentencePiece model of a seqio vocabulary (sentinels included) as
-  `tokenizer.model` plus the files transformers reads to load it; returns them."""
+  `tokenizer.model` plus the files transformers reads to load it; returns them.
+
+  transformers' `SentencePieceBackend` (legacy mode) encodes with the model itself,
+  so ids equal ours; Llama/T5 tokenizer classes would convert the model to a
+  `tokenizers` pipeline with its own normalisation and split code differently.
+  Its `decode` drops byte-fallback pieces and edge whitespace: decode with
+  `tokenizer.sp_model.decode(ids)` for byte-exact text.
+  """
   with open(os.path.join(output, "tokenizer.model"), "wb") as f:
     f.write(vocabulary.sp_model)
   config = {
-      "tokenizer_class": "LlamaTokenizer",
-      "add_bos_token": False, "add_eos_token": False, "legacy": False,
-      "add_prefix_space": False,
+      "tokenizer_class": "SentencePieceBackend", "legacy": True,
+      "clean_up_tokenization_spaces": False,
       "bos_token": None, "eos_token": vocabulary.tokenizer.id_to_piece(vocabulary.eos_id),
       "unk_token": vocabulary.tokenizer.id_to_piece(vocabulary.unk_id),
       "pad_token": vocabulary.tokenizer.id_to_piece(vocabulary.pad_id),
