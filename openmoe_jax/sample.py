@@ -19,6 +19,7 @@ import numpy as np
 from openmoe_jax.config import ModelConfig
 from openmoe_jax.model import Decoder
 from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter
+from openmoe_jax.objectives import MaskedDiffusion
 from openmoe_jax.sampling_diffusion import sample_diffusion
 
 
@@ -138,14 +139,6 @@ def _sample_with_cache(model, params, prompt, max_new_tokens, temperature, top_p
   return np.asarray(out, np.int32)
 
 
-def _is_diffusion_run() -> bool:
-  try:
-    objective = gin.query_parameter("train.objective")
-  except ValueError:
-    return False
-  return "MaskedDiffusion" in str(objective)
-
-
 def main(argv=None) -> int:
   """CLI: prints the continuation of --prompt sampled from --model_dir."""
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -163,11 +156,13 @@ def main(argv=None) -> int:
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(sys.argv[1:] if argv is None else argv)
   from openmoe_jax import run_loader  # pylint: disable=g-import-not-at-top
-  from openmoe_jax.data import pipeline, vocabulary  # pylint: disable=g-import-not-at-top
+  from openmoe_jax.data import pipeline  # pylint: disable=g-import-not-at-top
   run = run_loader.load_run(args.model_dir)
   params = run_loader.restore_params(args.model_dir, args.step or run.steps[-1])
   vocab = pipeline.vocabulary_for(run.mixture_or_task_name)
-  diffusion = args.mode == "diffusion" or (args.mode == "auto" and _is_diffusion_run())
+  objective = run_loader.query("train.objective")
+  diffusion = args.mode == "diffusion" or (
+      args.mode == "auto" and isinstance(objective, MaskedDiffusion))
   model = Decoder(serving_config(run.config, diffusion))
   prompt_ids = vocab.encode(args.prompt)
   rng = jax.random.PRNGKey(args.seed)
@@ -175,7 +170,7 @@ def main(argv=None) -> int:
     out = sample_diffusion(model, params, prompt_ids or [0], gen_length=args.max_new_tokens,
                            steps=args.steps, block_length=args.block_length,
                            remasking=args.remasking, temperature=args.temperature,
-                           rng=rng, mask_id=vocabulary.mask_token_id(vocab),
+                           rng=rng, mask_id=run_loader.run_mask_id(objective, vocab),
                            vocab_limit=vocab.vocab_size)[0]
   else:
     out = sample_autoregressive(model, params, prompt_ids, max_new_tokens=args.max_new_tokens,

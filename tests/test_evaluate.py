@@ -4,7 +4,9 @@ import json
 import gin
 import pytest
 
-from openmoe_jax import evaluate, gin_utils
+from openmoe_jax import evaluate, gin_utils, run_loader
+from openmoe_jax.config import ModelConfig
+from openmoe_jax.data import pipeline, vocabulary
 from openmoe_jax.trainer import train
 
 TINY = ["ModelConfig.d_model = 32", "ModelConfig.num_heads = 2", "ModelConfig.head_dim = 16",
@@ -40,3 +42,27 @@ def test_eval_causal_and_diffusion_runs(tmp_path, capsys):
   assert first["stderr"] > 0 and first["perplexity_bound"] > 1
   assert evaluate.main(args) == 0
   assert json.loads(capsys.readouterr().out)["nelbo"] == first["nelbo"]  # fixed seeds
+
+
+@pytest.mark.parametrize("bound,expected", [(0, 0), (11, 11), (None, 6)])
+def test_eval_diffusion_uses_the_objective_mask_id(monkeypatch, capsys, bound, expected):
+  gin_utils.import_configurables()
+  gin.parse_config(["train.objective = @MaskedDiffusion()",
+                    f"MaskedDiffusion.mask_id = {bound}"])
+  run = run_loader.Run(model_dir="dir", config=ModelConfig(vocab_size=64),
+                       mixture_or_task_name="task", sequence_length=16, batch_size=1,
+                       steps=[3])
+  monkeypatch.setattr(run_loader, "load_run", lambda model_dir: run)
+  monkeypatch.setattr(run_loader, "restore_params", lambda model_dir, step: {})
+  monkeypatch.setattr(pipeline, "get_dataset", lambda *args, **kwargs: [])
+  monkeypatch.setattr(pipeline, "vocabulary_for", lambda name: object())
+  monkeypatch.setattr(vocabulary, "mask_token_id", lambda vocab: 6)  # the `<mask>` id
+  seen = []
+
+  def fake_evaluate(model, params, batches, objective, mask_id, *args):
+    seen.append(mask_id)
+    return {"nelbo": 1.0}
+  monkeypatch.setattr(evaluate, "evaluate_diffusion", fake_evaluate)
+  assert evaluate.main(["--model_dir=dir"]) == 0
+  assert seen == [expected]
+  assert json.loads(capsys.readouterr().out)["objective"] == "MaskedDiffusion"

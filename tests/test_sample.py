@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from openmoe_jax import gin_utils, sample
+from openmoe_jax import gin_utils, run_loader, sample
+from openmoe_jax.data import pipeline, vocabulary
 from openmoe_jax.config import ModelConfig, MoeConfig
 from openmoe_jax.model import Decoder
 from openmoe_jax.moe.routers_expert_choice import ExpertChoiceRouter
@@ -104,6 +105,40 @@ def test_top_p_keeps_the_nucleus_and_sampling_is_seeded():
       rng=jax.random.PRNGKey(seed), vocab_limit=60).tolist()
   assert run(3) == run(3)
   assert all(t < 60 for t in run(4))
+
+
+class _Vocab:
+  """The few vocabulary members openmoe-sample reads."""
+
+  eos_id, vocab_size = 1, 64
+
+  def encode(self, text):
+    return [10 + ord(c) % 40 for c in text]
+
+  def decode(self, ids):
+    return "".join(chr(65 + i % 26) for i in ids)
+
+
+@pytest.mark.parametrize("bound,expected", [(0, 0), (11, 11), (None, 6)])
+def test_cli_diffusion_uses_the_objective_mask_id(monkeypatch, capsys, bound, expected):
+  gin_utils.import_configurables()
+  gin.parse_config(["train.objective = @MaskedDiffusion()",
+                    f"MaskedDiffusion.mask_id = {bound}"])
+  run = run_loader.Run(model_dir="dir", config=CFG, mixture_or_task_name="task",
+                       sequence_length=16, batch_size=1, steps=[3])
+  monkeypatch.setattr(run_loader, "load_run", lambda model_dir: run)
+  monkeypatch.setattr(run_loader, "restore_params", lambda model_dir, step: _params())
+  monkeypatch.setattr(pipeline, "vocabulary_for", lambda name: _Vocab())
+  monkeypatch.setattr(vocabulary, "mask_token_id", lambda vocab: 6)  # the `<mask>` id
+  seen = {}
+
+  def fake_sample(model, params, prompt_ids, **kwargs):
+    seen.update(kwargs)
+    return np.full((1, len(prompt_ids) + kwargs["gen_length"]), 12, np.int32)
+  monkeypatch.setattr(sample, "sample_diffusion", fake_sample)
+  assert sample.main(["--model_dir=dir", "--prompt=ab", "--max_new_tokens=4"]) == 0
+  assert seen["mask_id"] == expected
+  assert capsys.readouterr().out == "abMMMM\n"
 
 
 @pytest.mark.slow
