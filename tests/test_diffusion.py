@@ -283,6 +283,75 @@ def test_sampler_fills_blocks_left_to_right_on_schedule(tiny, remasking):
   np.testing.assert_array_equal(out, again)
 
 
+class KnownConfidence(nn.Module):
+  """Stub decoder: position (b, t) predicts answer[b][t] with logit scale[b][t] (0
+  elsewhere), whatever the input, so its confidences are known in advance."""
+
+  answer: Any = None  # tuples of tuples: the sampler caches by model (hashable)
+  scale: Any = None
+
+  @nn.compact
+  def __call__(self, tokens_bt, **kwargs):
+    bias_v = self.param("bias", nn.initializers.zeros, (V,))
+    logits_btv = (jnp.asarray(self.scale)[..., None] * jax.nn.one_hot(
+        jnp.asarray(self.answer), V) + bias_v)
+    zero = jnp.zeros((), jnp.float32)
+    return logits_btv, {"aux_loss": zero, "lb_loss": zero, "z_loss": zero}
+
+
+def _llada_low_confidence(prompt_bp, logits_btv, gen_length, steps, block_length):
+  """NumPy LLaDA generate() at temperature 0 with low_confidence remasking for logits
+  that do not depend on the input: returns the positions committed at each step."""
+  b, p = prompt_bp.shape
+  x_bt = np.concatenate([prompt_bp, np.full((b, gen_length), MASK)], 1)
+  z_btv = logits_btv - logits_btv.max(-1, keepdims=True)
+  probs_btv = np.exp(z_btv) / np.exp(z_btv).sum(-1, keepdims=True)
+  x0_bt = probs_btv.argmax(-1)
+  x0_p_bt = probs_btv.max(-1)
+  per_block = steps // (gen_length // block_length)
+  committed = []
+  for block in range(gen_length // block_length):
+    end = p + (block + 1) * block_length
+    mask_num_b = (x_bt[:, end - block_length:end] == MASK).sum(1)
+    num_transfer_bs = np.repeat((mask_num_b // per_block)[:, None], per_block, 1)
+    for i in range(per_block):  # get_num_transfer_tokens: remainder on the first steps
+      num_transfer_bs[:, i] += i < mask_num_b % per_block
+    for i in range(per_block):
+      confidence_bt = np.where(x_bt == MASK, x0_p_bt, -np.inf)
+      confidence_bt[:, end:] = -np.inf
+      step = []
+      for r in range(b):
+        top = np.argsort(-confidence_bt[r], kind="stable")[:num_transfer_bs[r, i]]
+        x_bt[r, top] = x0_bt[r, top]
+        step.append(sorted(top.tolist()))
+      committed.append(step)
+  return committed, x_bt
+
+
+def test_low_confidence_remasking_commits_the_most_confident_masked_tokens():
+  b, p, gen_length, steps, block_length = 2, 3, 10, 4, 5  # 3 + 2 tokens per block
+  t = p + gen_length
+  rng = np.random.default_rng(0)
+  scale_bt = np.stack([rng.permutation(np.linspace(1.0, 6.0, t)) for _ in range(b)])
+  answer_bt = rng.integers(7, 60, (b, t))
+  model = KnownConfidence(answer=tuple(map(tuple, answer_bt.tolist())),
+                          scale=tuple(map(tuple, scale_bt.tolist())))
+  prompt_bp = np.asarray([[9, 10, 11], [12, 13, 14]])
+  out, hist = sample_diffusion(model, _stub_params(model), prompt_bp, gen_length=gen_length,
+                               steps=steps, block_length=block_length, mask_id=MASK,
+                               return_history=True)
+  logits_btv = scale_bt[..., None] * np.eye(V)[answer_bt]
+  expected, expected_out = _llada_low_confidence(prompt_bp, logits_btv, gen_length,
+                                                 steps, block_length)
+  before_sbt = np.concatenate([np.concatenate(
+      [prompt_bp, np.full((b, gen_length), MASK)], 1)[None], hist[:-1]])
+  got = [[np.flatnonzero((before_sbt[s, r] == MASK) & (hist[s, r] != MASK)).tolist()
+          for r in range(b)] for s in range(steps)]
+  assert got == expected
+  assert [len(c) for c in got[0]] == [3, 3] and [len(c) for c in got[1]] == [2, 2]
+  np.testing.assert_array_equal(out, expected_out)
+
+
 def test_greedy_low_confidence_sampling_ignores_the_seed(tiny):
   model, params = tiny
   run = lambda seed: sample_diffusion(
