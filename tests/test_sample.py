@@ -1,4 +1,5 @@
 """Autoregressive sampling, serving routing and the openmoe-sample command."""
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -78,12 +79,12 @@ def test_diffusion_sampling_with_expert_choice_routes_as_evaluation():
   # 2.0 experts per token (a capacity factor of E would give C = 16: 8.0).
   cfg = CFG.replace(moe=CFG.moe.replace(num_experts=8, top_k=2, capacity_factor_eval=1.0,
                                         router=ExpertChoiceRouter()))
-  params = nn.unbox(Decoder(cfg).init(jax.random.PRNGKey(0),
-                                      jnp.zeros((1, 16), jnp.int32)))["params"]
+  params = nn.unbox(jax.jit(Decoder(cfg).init)(jax.random.PRNGKey(0),
+                                               jnp.zeros((1, 16), jnp.int32)))["params"]
   prompt_1p, mask_id = np.asarray([[5, 9, 3, 7]]), 63
   x_1t = jnp.asarray(np.concatenate([prompt_1p, np.full((1, 12), mask_id)], 1))
-  _, aux = Decoder(cfg).apply({"params": params}, x_1t, attention_kind="bidirectional",
-                              train=False)
+  _, aux = jax.jit(functools.partial(Decoder(cfg).apply, attention_kind="bidirectional",
+                                     train=False))({"params": params}, x_1t)
   eval_l = np.asarray(aux["experts_per_token_mean"])
   np.testing.assert_allclose(eval_l, [2.0])
   calls = _Calls()
@@ -127,7 +128,7 @@ def test_cli_diffusion_uses_the_objective_mask_id(monkeypatch, capsys, bound, ex
   run = run_loader.Run(model_dir="dir", config=CFG, mixture_or_task_name="task",
                        sequence_length=16, batch_size=1, steps=[3])
   monkeypatch.setattr(run_loader, "load_run", lambda model_dir: run)
-  monkeypatch.setattr(run_loader, "restore_params", lambda model_dir, step: _params())
+  monkeypatch.setattr(run_loader, "restore_params", lambda model_dir, step: {})
   monkeypatch.setattr(pipeline, "vocabulary_for", lambda name: _Vocab())
   monkeypatch.setattr(vocabulary, "mask_token_id", lambda vocab: 6)  # the `<mask>` id
   seen = {}
