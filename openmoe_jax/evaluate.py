@@ -49,7 +49,7 @@ def main(argv=None) -> int:
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(sys.argv[1:] if argv is None else argv)
   from openmoe_jax import run_loader, trainer  # pylint: disable=g-import-not-at-top
-  from openmoe_jax.data import pipeline, vocabulary  # pylint: disable=g-import-not-at-top
+  from openmoe_jax.data import pipeline  # pylint: disable=g-import-not-at-top
   run = run_loader.load_run(args.model_dir)
   step = args.step or run.steps[-1]
   params = run_loader.restore_params(args.model_dir, step)
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
                                  num_batches=args.num_batches)
   model = Decoder(run.config)
   if isinstance(objective, MaskedDiffusion):
-    mask_id = objective.mask_id or vocabulary.mask_token_id(pipeline.vocabulary_for(task))
+    mask_id = run_loader.run_mask_id(objective, pipeline.vocabulary_for(task))
     result = evaluate_diffusion(model, params, batches, objective, mask_id,
                                 args.num_samples, args.seed)
   else:

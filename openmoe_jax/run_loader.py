@@ -11,7 +11,7 @@ from openmoe_jax import gin_utils
 from openmoe_jax.checkpoints import Checkpointer
 from openmoe_jax.config import ModelConfig
 from openmoe_jax.convert import params_export
-from openmoe_jax.data import pipeline
+from openmoe_jax.data import pipeline, vocabulary
 from openmoe_jax.trainer import build_model_config
 
 
@@ -36,6 +36,13 @@ def query(name: str, default: Any = None) -> Any:
   if isinstance(value, gin.config.ConfigurableReference):
     value = value.scoped_configurable_fn()
   return value
+
+
+def run_mask_id(objective: Any, vocab: Any) -> int:
+  """Returns the diffusion mask token id of a run: its objective's `mask_id` when set
+  (gin-bound; 0 is a valid id), else the `<mask>` token of `vocab`."""
+  mask_id = getattr(objective, "mask_id", None)
+  return vocabulary.mask_token_id(vocab) if mask_id is None else int(mask_id)
 
 
 def load_run(model_dir: str, vocab_task: Optional[str] = None) -> Run:

@@ -4,9 +4,7 @@ Autoregressive decoding (greedy, temperature, top-p) for causal LM / UL2 runs, a
 iterative unmasking (sampling_diffusion.py) for masked-diffusion runs; `--mode=auto`
 picks by the run's objective. Autoregressive decoding keeps a KV cache (one prefill
 of the prompt, then one token per step); `kv_cache=False` re-reads the whole buffer
-each step instead (the plain reference). Routing serves every choice when sampling
-(capacity = tokens per group), so a token's experts never depend on how the tokens
-are grouped into calls.
+each step instead (the plain reference). Routing: see `serving_config`.
 """
 import argparse
 import functools
@@ -20,14 +18,31 @@ import numpy as np
 
 from openmoe_jax.config import ModelConfig
 from openmoe_jax.model import Decoder
+from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter
+from openmoe_jax.objectives import MaskedDiffusion
 from openmoe_jax.sampling_diffusion import sample_diffusion
 
 
-def serving_config(cfg: ModelConfig) -> ModelConfig:
-  """Returns `cfg` with one routing group per call and evaluation capacity large
-  enough that nothing is dropped."""
-  return cfg.replace(moe=cfg.moe.replace(
-      capacity_factor_eval=float(max(cfg.moe.num_experts, 1)), group_size=1 << 30))
+def serving_config(cfg: ModelConfig, diffusion: bool) -> ModelConfig:
+  """Returns `cfg` for sampling: one routing group per call, and the evaluation
+  capacity except for token choice in autoregressive decoding, which is dropless.
+
+  Autoregressive decoding routes the prompt in one call and then one token per call
+  (KV cache), or the whole buffer with placeholder tokens after the cursor (no
+  cache). With a capacity, which choices are dropped would depend on that grouping
+  and on the placeholders; a token-choice router serving every choice (capacity =
+  tokens per group) gives each token its own top-k in every layout, so the two
+  decoders agree. Diffusion sampling routes whole sequences as evaluation does, and
+  an expert-choice router must keep its evaluation capacity in every mode: C = cf x k
+  x T / E, whereas a capacity factor of E would make C = T, every expert taking every
+  token (E experts per token in place of k). Expert choice is not causal; in KV-cached
+  decoding each one-token group is taken by every expert (it suits diffusion).
+  """
+  moe = cfg.moe.replace(group_size=1 << 30)
+  if not diffusion and isinstance(cfg.moe.router, TokenChoiceRouter):
+    # capacity >= round(E x s / E) = s: every choice of every token is served.
+    moe = moe.replace(capacity_factor_eval=float(max(cfg.moe.num_experts, 1)))
+  return cfg.replace(moe=moe)
 
 
 def filter_top_p(logits_v: jax.Array, top_p: float) -> jax.Array:
@@ -124,14 +139,6 @@ def _sample_with_cache(model, params, prompt, max_new_tokens, temperature, top_p
   return np.asarray(out, np.int32)
 
 
-def _is_diffusion_run() -> bool:
-  try:
-    objective = gin.query_parameter("train.objective")
-  except ValueError:
-    return False
-  return "MaskedDiffusion" in str(objective)
-
-
 def main(argv=None) -> int:
   """CLI: prints the continuation of --prompt sampled from --model_dir."""
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -149,19 +156,21 @@ def main(argv=None) -> int:
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(sys.argv[1:] if argv is None else argv)
   from openmoe_jax import run_loader  # pylint: disable=g-import-not-at-top
-  from openmoe_jax.data import pipeline, vocabulary  # pylint: disable=g-import-not-at-top
+  from openmoe_jax.data import pipeline  # pylint: disable=g-import-not-at-top
   run = run_loader.load_run(args.model_dir)
   params = run_loader.restore_params(args.model_dir, args.step or run.steps[-1])
   vocab = pipeline.vocabulary_for(run.mixture_or_task_name)
-  model = Decoder(serving_config(run.config))
+  objective = run_loader.query("train.objective")
+  diffusion = args.mode == "diffusion" or (
+      args.mode == "auto" and isinstance(objective, MaskedDiffusion))
+  model = Decoder(serving_config(run.config, diffusion))
   prompt_ids = vocab.encode(args.prompt)
   rng = jax.random.PRNGKey(args.seed)
-  diffusion = args.mode == "diffusion" or (args.mode == "auto" and _is_diffusion_run())
   if diffusion:
     out = sample_diffusion(model, params, prompt_ids or [0], gen_length=args.max_new_tokens,
                            steps=args.steps, block_length=args.block_length,
                            remasking=args.remasking, temperature=args.temperature,
-                           rng=rng, mask_id=vocabulary.mask_token_id(vocab),
+                           rng=rng, mask_id=run_loader.run_mask_id(objective, vocab),
                            vocab_limit=vocab.vocab_size)[0]
   else:
     out = sample_autoregressive(model, params, prompt_ids, max_new_tokens=args.max_new_tokens,

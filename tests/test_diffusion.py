@@ -97,7 +97,7 @@ def test_masking_rate_matches_t_and_skips_unscored_tokens():
 def test_force_one_mask_and_exact_count_mask():
   loss_bt = jnp.asarray([[1, 1, 1, 0], [0, 0, 0, 0], [1, 0, 1, 1]], bool)
   tiny_t = jnp.full((3,), 1e-6)
-  forced = np.asarray(dl.bernoulli_mask(jax.random.PRNGKey(0), loss_bt, tiny_t))
+  forced = np.asarray(dl.bernoulli_mask(jax.random.PRNGKey(0), loss_bt, tiny_t, True))
   assert list(forced.sum(1)) == [1, 0, 1] and not (forced & ~np.asarray(loss_bt)).any()
   free = np.asarray(dl.bernoulli_mask(jax.random.PRNGKey(0), loss_bt, tiny_t, False))
   assert not free.any()
@@ -136,38 +136,68 @@ def test_model_sees_corrupted_targets_bidirectionally_and_predicts_its_own_token
   assert float(metrics["masked_accuracy"]) < 0.2 and float(metrics["ce_loss"]) > 5.0
 
 
-@pytest.mark.parametrize("weighting", ["mdlm", "llada"])
-def test_loss_matches_hand_computed_weights(weighting):
-  weights_bt = np.ones((2, 6), np.float32)
-  weights_bt[1, 4:] = 0  # padding: never masked, never scored
-  batch = _batch(b=2, t=6, weights=weights_bt)
-  logits_btv = jax.random.normal(jax.random.PRNGKey(7), (2, 6, V))
+def test_llada_eval_masks_exactly_l_of_the_l_tokens_with_l_uniform():
+  loss_bt = jnp.ones((12, 12), bool)  # 12 rows: antithetic l covers 1..12 once
+  masked_bt, t_b = dl.draw_masks(jax.random.PRNGKey(2), loss_bt, "llada_eval", 0.5)
+  count_b = np.asarray(masked_bt).sum(1)
+  assert sorted(count_b.tolist()) == list(range(1, 13))
+  np.testing.assert_allclose(np.asarray(t_b), count_b / 12, rtol=1e-6)
+  np.testing.assert_allclose(
+      np.asarray(dl.mask_weights("llada_eval", masked_bt, loss_bt, t_b)), 12 / count_b,
+      rtol=1e-6)
+  none_bt, _ = dl.draw_masks(jax.random.PRNGKey(2), jnp.zeros((2, 5), bool),
+                             "llada_eval", 0.0)
+  assert not np.asarray(none_bt).any()
 
-  class Random(FixedLogits):
+
+def test_default_weighting_is_the_1_over_t_loss_and_llada_is_a_removed_name():
+  obj = MaskedDiffusion(mask_id=MASK)
+  assert obj.weighting == "mdlm" and not obj.force_one_mask
+  with pytest.raises(ValueError, match="'llada' was removed; use 'mdlm'.*'llada_eval'"):
+    MaskedDiffusion(mask_id=MASK, weighting="llada")
+  with pytest.raises(ValueError, match="'llada' was removed"):
+    diffusion_elbo(None, None, {}, jax.random.PRNGKey(0), 1, mask_id=MASK,
+                   estimator="llada")
+  with pytest.raises(ValueError, match="choose one of"):
+    MaskedDiffusion(mask_id=MASK, weighting="exact")
+
+
+@pytest.mark.parametrize("weighting", ["mdlm", "llada_eval"])
+def test_loss_equals_a_numpy_computation_on_a_fixed_mask(monkeypatch, weighting):
+  weights_bt = np.ones((2, 6), np.float32)
+  weights_bt[1, 4:] = 0  # padding: never scored
+  batch = _batch(b=2, t=6, weights=weights_bt)
+  masked_bt = np.asarray([[1, 0, 1, 0, 0, 1], [0, 1, 0, 0, 0, 0]], bool)
+  t_b = np.asarray([0.4, 0.3], np.float32)  # "mdlm" weighs by 1/t; "llada_eval" by L/l
+  monkeypatch.setattr(dl, "draw_masks", lambda *args, **kwargs: (
+      jnp.asarray(masked_bt), jnp.asarray(t_b)))
+  logits_btv = np.asarray(jax.random.normal(jax.random.PRNGKey(7), (2, 6, V)))
+
+  class Fixed(FixedLogits):
     @nn.compact
     def __call__(self, tokens_bt, **kwargs):
-      return logits_btv + self.param("bias", nn.initializers.zeros, (V,)), {
+      return jnp.asarray(logits_btv) + self.param("bias", nn.initializers.zeros, (V,)), {
           "aux_loss": jnp.zeros(()), "lb_loss": jnp.zeros(()), "z_loss": jnp.zeros(())}
 
   obj = MaskedDiffusion(mask_id=MASK, weighting=weighting, truncate_prob=0.0)
-  model, rng = Random(), jax.random.PRNGKey(5)
-  loss, metrics = obj(model, _stub_params(model), batch, rng, train=True)
-  _, masked_bt, _, t_b, _ = obj.corrupt(batch, jax.random.split(rng)[0], train=True)
-  masked_bt, t_b = np.asarray(masked_bt), np.asarray(t_b)
-  assert not masked_bt[1, 4:].any()
-  logp = np.asarray(jax.nn.log_softmax(logits_btv))
-  targets = np.asarray(batch["decoder_target_tokens"])
-  expected = 0.0
-  for i in range(2):
-    n_loss = weights_bt[i].sum()
-    w = 1 / t_b[i] if weighting == "mdlm" else n_loss / masked_bt[i].sum()
-    expected += sum(-logp[i, j, targets[i, j]] * w for j in range(6) if masked_bt[i, j])
-  np.testing.assert_allclose(float(loss), expected / weights_bt.sum(), rtol=1e-5)
+  model = Fixed()
+  loss, metrics = obj(model, _stub_params(model), batch, jax.random.PRNGKey(5),
+                      train=True)
+  x_btv = logits_btv.astype(np.float64)
+  x_btv = x_btv - x_btv.max(-1, keepdims=True)
+  logp_btv = x_btv - np.log(np.exp(x_btv).sum(-1, keepdims=True))
+  targets_bt = np.asarray(batch["decoder_target_tokens"])
+  ce_bt = -np.take_along_axis(logp_btv, targets_bt[..., None], -1)[..., 0]
+  loss_tokens_b, masked_b = weights_bt.sum(1), masked_bt.sum(1)  # L = [6, 4], l = [3, 1]
+  weight_b = 1 / t_b.astype(np.float64) if weighting == "mdlm" else loss_tokens_b / masked_b
+  expected = (weight_b[:, None] * masked_bt * ce_bt).sum() / loss_tokens_b.sum()
+  np.testing.assert_allclose(float(loss), expected, rtol=1e-6)
+  np.testing.assert_allclose(float(metrics["ce_loss"]), expected, rtol=1e-6)
   assert float(metrics["num_tokens"]) == 10
-  np.testing.assert_allclose(float(metrics["mask_fraction"]), masked_bt.sum() / 10)
+  np.testing.assert_allclose(float(metrics["mask_fraction"]), 4 / 10)
 
 
-@pytest.mark.parametrize("weighting,force", [("mdlm", False), ("llada", True)])
+@pytest.mark.parametrize("weighting,force", [("mdlm", False), ("llada_eval", False)])
 def test_uniform_model_expected_loss_is_log_v(weighting, force):
   model = FixedLogits()
   params, batch = _stub_params(model), _batch(b=8, t=64)
@@ -176,7 +206,7 @@ def test_uniform_model_expected_loss_is_log_v(weighting, force):
   loss_fn = jax.jit(jax.vmap(ce_loss))
   losses = np.asarray(loss_fn(jax.random.split(jax.random.PRNGKey(0), 256)))
   assert abs(losses.mean() - math.log(V)) < 0.03 * math.log(V)
-  if weighting == "llada":  # 1 / realised fraction: exact for every draw
+  if weighting == "llada_eval":  # sum of l CEs of log V times L/l: exact for every draw
     np.testing.assert_allclose(losses, math.log(V), rtol=1e-5)
 
 
@@ -253,6 +283,75 @@ def test_sampler_fills_blocks_left_to_right_on_schedule(tiny, remasking):
   np.testing.assert_array_equal(out, again)
 
 
+class KnownConfidence(nn.Module):
+  """Stub decoder: position (b, t) predicts answer[b][t] with logit scale[b][t] (0
+  elsewhere), whatever the input, so its confidences are known in advance."""
+
+  answer: Any = None  # tuples of tuples: the sampler caches by model (hashable)
+  scale: Any = None
+
+  @nn.compact
+  def __call__(self, tokens_bt, **kwargs):
+    bias_v = self.param("bias", nn.initializers.zeros, (V,))
+    logits_btv = (jnp.asarray(self.scale)[..., None] * jax.nn.one_hot(
+        jnp.asarray(self.answer), V) + bias_v)
+    zero = jnp.zeros((), jnp.float32)
+    return logits_btv, {"aux_loss": zero, "lb_loss": zero, "z_loss": zero}
+
+
+def _llada_low_confidence(prompt_bp, logits_btv, gen_length, steps, block_length):
+  """NumPy LLaDA generate() at temperature 0 with low_confidence remasking for logits
+  that do not depend on the input: returns the positions committed at each step."""
+  b, p = prompt_bp.shape
+  x_bt = np.concatenate([prompt_bp, np.full((b, gen_length), MASK)], 1)
+  z_btv = logits_btv - logits_btv.max(-1, keepdims=True)
+  probs_btv = np.exp(z_btv) / np.exp(z_btv).sum(-1, keepdims=True)
+  x0_bt = probs_btv.argmax(-1)
+  x0_p_bt = probs_btv.max(-1)
+  per_block = steps // (gen_length // block_length)
+  committed = []
+  for block in range(gen_length // block_length):
+    end = p + (block + 1) * block_length
+    mask_num_b = (x_bt[:, end - block_length:end] == MASK).sum(1)
+    num_transfer_bs = np.repeat((mask_num_b // per_block)[:, None], per_block, 1)
+    for i in range(per_block):  # get_num_transfer_tokens: remainder on the first steps
+      num_transfer_bs[:, i] += i < mask_num_b % per_block
+    for i in range(per_block):
+      confidence_bt = np.where(x_bt == MASK, x0_p_bt, -np.inf)
+      confidence_bt[:, end:] = -np.inf
+      step = []
+      for r in range(b):
+        top = np.argsort(-confidence_bt[r], kind="stable")[:num_transfer_bs[r, i]]
+        x_bt[r, top] = x0_bt[r, top]
+        step.append(sorted(top.tolist()))
+      committed.append(step)
+  return committed, x_bt
+
+
+def test_low_confidence_remasking_commits_the_most_confident_masked_tokens():
+  b, p, gen_length, steps, block_length = 2, 3, 10, 4, 5  # 3 + 2 tokens per block
+  t = p + gen_length
+  rng = np.random.default_rng(0)
+  scale_bt = np.stack([rng.permutation(np.linspace(1.0, 6.0, t)) for _ in range(b)])
+  answer_bt = rng.integers(7, 60, (b, t))
+  model = KnownConfidence(answer=tuple(map(tuple, answer_bt.tolist())),
+                          scale=tuple(map(tuple, scale_bt.tolist())))
+  prompt_bp = np.asarray([[9, 10, 11], [12, 13, 14]])
+  out, hist = sample_diffusion(model, _stub_params(model), prompt_bp, gen_length=gen_length,
+                               steps=steps, block_length=block_length, mask_id=MASK,
+                               return_history=True)
+  logits_btv = scale_bt[..., None] * np.eye(V)[answer_bt]
+  expected, expected_out = _llada_low_confidence(prompt_bp, logits_btv, gen_length,
+                                                 steps, block_length)
+  before_sbt = np.concatenate([np.concatenate(
+      [prompt_bp, np.full((b, gen_length), MASK)], 1)[None], hist[:-1]])
+  got = [[np.flatnonzero((before_sbt[s, r] == MASK) & (hist[s, r] != MASK)).tolist()
+          for r in range(b)] for s in range(steps)]
+  assert got == expected
+  assert [len(c) for c in got[0]] == [3, 3] and [len(c) for c in got[1]] == [2, 2]
+  np.testing.assert_array_equal(out, expected_out)
+
+
 def test_greedy_low_confidence_sampling_ignores_the_seed(tiny):
   model, params = tiny
   run = lambda seed: sample_diffusion(
@@ -267,6 +366,7 @@ def test_gin_file_builds_the_objective_with_the_vocabulary_mask():
   objective = MaskedDiffusion()
   assert gin.query_parameter("train.objective").selector == "MaskedDiffusion"
   assert objective.mask_id == mask_token_id(get_vocabulary()) == 6
+  assert objective.weighting == "mdlm" and not objective.force_one_mask
 
 
 _TINY_BINDINGS = [  # as tests/test_train.py

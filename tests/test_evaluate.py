@@ -2,9 +2,14 @@
 import json
 
 import gin
+import jax
+import numpy as np
 import pytest
 
-from openmoe_jax import evaluate, gin_utils
+from openmoe_jax import evaluate, gin_utils, run_loader
+from openmoe_jax.config import ModelConfig
+from openmoe_jax.data import pipeline, vocabulary
+from openmoe_jax.model import Decoder
 from openmoe_jax.trainer import train
 
 TINY = ["ModelConfig.d_model = 32", "ModelConfig.num_heads = 2", "ModelConfig.head_dim = 16",
@@ -22,6 +27,30 @@ def _train(model_dir, *gin_files):
   gin.clear_config()
 
 
+def _numpy_cross_entropy(model_dir, num_batches):
+  """Returns (CE per target token, target tokens) of the run's last checkpoint on
+  the validation batches openmoe-eval reads: plain forward, NumPy log-softmax."""
+  run = run_loader.load_run(str(model_dir))
+  params = run_loader.restore_params(str(model_dir), run.steps[-1])
+  forward = jax.jit(lambda p, b: Decoder(run.config).apply(
+      {"params": p}, b["decoder_input_tokens"], positions_bt=b["decoder_positions"],
+      segment_ids_bt=b["decoder_segment_ids"], attention_kind="causal", train=False)[0])
+  total = count = 0.0
+  for batch in pipeline.get_dataset(run.mixture_or_task_name, run.sequence_length,
+                                    run.batch_size, split="validation", shuffle=False,
+                                    repeat=False, num_batches=num_batches):
+    x_btv = np.asarray(forward(params, batch), np.float64)
+    x_btv -= x_btv.max(-1, keepdims=True)
+    logp_btv = x_btv - np.log(np.exp(x_btv).sum(-1, keepdims=True))
+    targets_bt = np.asarray(batch["decoder_target_tokens"])
+    ce_bt = -np.take_along_axis(logp_btv, targets_bt[..., None], -1)[..., 0]
+    weights_bt = np.asarray(batch["decoder_loss_weights"], np.float64)
+    total += (ce_bt * weights_bt).sum()
+    count += weights_bt.sum()
+  gin.clear_config()
+  return total / count, count
+
+
 @pytest.mark.slow
 def test_eval_causal_and_diffusion_runs(tmp_path, capsys):
   causal, dlm = tmp_path / "causal", tmp_path / "dlm"
@@ -32,11 +61,38 @@ def test_eval_causal_and_diffusion_runs(tmp_path, capsys):
   result = json.loads(capsys.readouterr().out)
   assert result["objective"] == "CausalLm" and result["step"] == 2
   assert result["perplexity"] == pytest.approx(2.718281828 ** result["ce_loss"], rel=1e-6)
-  assert 5 < result["ce_loss"] < 12 and result["num_tokens"] > 0
+  expected_ce, expected_tokens = _numpy_cross_entropy(causal, 2)
+  assert result["num_tokens"] == expected_tokens > 0
+  np.testing.assert_allclose(result["ce_loss"], expected_ce, rtol=1e-6)
   args = [f"--model_dir={dlm}", "--num_batches=2", "--num_samples=3"]
   assert evaluate.main(args) == 0
   first = json.loads(capsys.readouterr().out)
   assert first["objective"] == "MaskedDiffusion"
   assert first["stderr"] > 0 and first["perplexity_bound"] > 1
+  assert first["perplexity_bound"] == pytest.approx(2.718281828 ** first["nelbo"], rel=1e-6)
   assert evaluate.main(args) == 0
   assert json.loads(capsys.readouterr().out)["nelbo"] == first["nelbo"]  # fixed seeds
+
+
+@pytest.mark.parametrize("bound,expected", [(0, 0), (11, 11), (None, 6)])
+def test_eval_diffusion_uses_the_objective_mask_id(monkeypatch, capsys, bound, expected):
+  gin_utils.import_configurables()
+  gin.parse_config(["train.objective = @MaskedDiffusion()",
+                    f"MaskedDiffusion.mask_id = {bound}"])
+  run = run_loader.Run(model_dir="dir", config=ModelConfig(vocab_size=64),
+                       mixture_or_task_name="task", sequence_length=16, batch_size=1,
+                       steps=[3])
+  monkeypatch.setattr(run_loader, "load_run", lambda model_dir: run)
+  monkeypatch.setattr(run_loader, "restore_params", lambda model_dir, step: {})
+  monkeypatch.setattr(pipeline, "get_dataset", lambda *args, **kwargs: [])
+  monkeypatch.setattr(pipeline, "vocabulary_for", lambda name: object())
+  monkeypatch.setattr(vocabulary, "mask_token_id", lambda vocab: 6)  # the `<mask>` id
+  seen = []
+
+  def fake_evaluate(model, params, batches, objective, mask_id, *args):
+    seen.append(mask_id)
+    return {"nelbo": 1.0}
+  monkeypatch.setattr(evaluate, "evaluate_diffusion", fake_evaluate)
+  assert evaluate.main(["--model_dir=dir"]) == 0
+  assert seen == [expected]
+  assert json.loads(capsys.readouterr().out)["objective"] == "MaskedDiffusion"

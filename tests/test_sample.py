@@ -1,4 +1,7 @@
-"""Autoregressive sampling and the openmoe-sample command."""
+"""Autoregressive sampling, serving routing and the openmoe-sample command."""
+import functools
+from typing import Any
+
 import flax.linen as nn
 import gin
 import jax
@@ -6,9 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from openmoe_jax import gin_utils, sample
+from openmoe_jax import gin_utils, run_loader, sample
+from openmoe_jax.data import pipeline, vocabulary
 from openmoe_jax.config import ModelConfig, MoeConfig
 from openmoe_jax.model import Decoder
+from openmoe_jax.moe.routers_expert_choice import ExpertChoiceRouter
+from openmoe_jax.sampling_diffusion import sample_diffusion
 from openmoe_jax.trainer import train
 
 CFG = ModelConfig(vocab_size=64, d_model=16, num_heads=2, head_dim=8, d_ff=24,
@@ -23,7 +29,7 @@ def _params():
 
 
 def test_greedy_equals_growing_the_prompt_one_token_at_a_time():
-  params, model = _params(), Decoder(sample.serving_config(CFG))
+  params, model = _params(), Decoder(sample.serving_config(CFG, diffusion=False))
   got = sample.sample_autoregressive(model, params, [5, 9, 3], max_new_tokens=6,
                                      kv_cache=False)
   tokens = [5, 9, 3]
@@ -35,7 +41,7 @@ def test_greedy_equals_growing_the_prompt_one_token_at_a_time():
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_kv_cache_sampler_equals_the_sampler_without_cache(temperature):
-  params, model = _params(), Decoder(sample.serving_config(CFG))
+  params, model = _params(), Decoder(sample.serving_config(CFG, diffusion=False))
   run = lambda cache: sample.sample_autoregressive(
       model, params, [5, 9, 3, 7], max_new_tokens=7, temperature=temperature,
       top_p=0.95, rng=jax.random.PRNGKey(2), kv_cache=cache).tolist()
@@ -43,8 +49,50 @@ def test_kv_cache_sampler_equals_the_sampler_without_cache(temperature):
   assert len(run(True)) == 11
 
 
-def test_serving_config_never_drops():
-  assert sample.serving_config(CFG).moe.capacity_factor_eval == 4.0
+def test_serving_config_token_choice_is_dropless_only_when_autoregressive():
+  assert sample.serving_config(CFG, diffusion=False).moe.capacity_factor_eval == 4.0
+  assert sample.serving_config(CFG, diffusion=True).moe.capacity_factor_eval == 0.5
+
+
+class _Calls:
+  """A list holder (flax turns list attributes into tuples)."""
+
+  def __init__(self):
+    self.items = []
+
+
+class _RecordRouting(nn.Module):
+  """Runs `inner` and records each call's experts per token (mean, per MoE layer)."""
+
+  inner: nn.Module
+  calls: Any
+
+  def __call__(self, tokens_bt, **kwargs):
+    logits_btv, aux = self.inner(tokens_bt, **kwargs)
+    jax.debug.callback(lambda e_l: self.calls.items.append(np.asarray(e_l)),
+                       aux["experts_per_token_mean"])
+    return logits_btv, aux
+
+
+def test_diffusion_sampling_with_expert_choice_routes_as_evaluation():
+  # E 8, k 2, eval cf 1: each expert takes C = 1 * 2 * 16 / 8 = 4 of the 16 tokens,
+  # 2.0 experts per token (a capacity factor of E would give C = 16: 8.0).
+  cfg = CFG.replace(moe=CFG.moe.replace(num_experts=8, top_k=2, capacity_factor_eval=1.0,
+                                        router=ExpertChoiceRouter()))
+  params = nn.unbox(jax.jit(Decoder(cfg).init)(jax.random.PRNGKey(0),
+                                               jnp.zeros((1, 16), jnp.int32)))["params"]
+  prompt_1p, mask_id = np.asarray([[5, 9, 3, 7]]), 63
+  x_1t = jnp.asarray(np.concatenate([prompt_1p, np.full((1, 12), mask_id)], 1))
+  _, aux = jax.jit(functools.partial(Decoder(cfg).apply, attention_kind="bidirectional",
+                                     train=False))({"params": params}, x_1t)
+  eval_l = np.asarray(aux["experts_per_token_mean"])
+  np.testing.assert_allclose(eval_l, [2.0])
+  calls = _Calls()
+  model = _RecordRouting(Decoder(sample.serving_config(cfg, diffusion=True)), calls)
+  sample_diffusion(model, {"inner": params}, prompt_1p, gen_length=12, steps=3,
+                   mask_id=mask_id)
+  assert len(calls.items) == 3  # one model call per step
+  np.testing.assert_allclose(np.stack(calls.items), np.stack([eval_l] * 3))
 
 
 def test_top_p_keeps_the_nucleus_and_sampling_is_seeded():
@@ -52,12 +100,46 @@ def test_top_p_keeps_the_nucleus_and_sampling_is_seeded():
   kept = np.isfinite(np.asarray(sample.filter_top_p(logits, 0.7)))
   assert kept.tolist() == [True, True, False, False]
   assert np.isfinite(np.asarray(sample.filter_top_p(logits, 0.01))).sum() == 1
-  params, model = _params(), Decoder(sample.serving_config(CFG))
+  params, model = _params(), Decoder(sample.serving_config(CFG, diffusion=False))
   run = lambda seed: sample.sample_autoregressive(
       model, params, [1, 2], max_new_tokens=8, temperature=1.0, top_p=0.9,
       rng=jax.random.PRNGKey(seed), vocab_limit=60).tolist()
   assert run(3) == run(3)
   assert all(t < 60 for t in run(4))
+
+
+class _Vocab:
+  """The few vocabulary members openmoe-sample reads."""
+
+  eos_id, vocab_size = 1, 64
+
+  def encode(self, text):
+    return [10 + ord(c) % 40 for c in text]
+
+  def decode(self, ids):
+    return "".join(chr(65 + i % 26) for i in ids)
+
+
+@pytest.mark.parametrize("bound,expected", [(0, 0), (11, 11), (None, 6)])
+def test_cli_diffusion_uses_the_objective_mask_id(monkeypatch, capsys, bound, expected):
+  gin_utils.import_configurables()
+  gin.parse_config(["train.objective = @MaskedDiffusion()",
+                    f"MaskedDiffusion.mask_id = {bound}"])
+  run = run_loader.Run(model_dir="dir", config=CFG, mixture_or_task_name="task",
+                       sequence_length=16, batch_size=1, steps=[3])
+  monkeypatch.setattr(run_loader, "load_run", lambda model_dir: run)
+  monkeypatch.setattr(run_loader, "restore_params", lambda model_dir, step: {})
+  monkeypatch.setattr(pipeline, "vocabulary_for", lambda name: _Vocab())
+  monkeypatch.setattr(vocabulary, "mask_token_id", lambda vocab: 6)  # the `<mask>` id
+  seen = {}
+
+  def fake_sample(model, params, prompt_ids, **kwargs):
+    seen.update(kwargs)
+    return np.full((1, len(prompt_ids) + kwargs["gen_length"]), 12, np.int32)
+  monkeypatch.setattr(sample, "sample_diffusion", fake_sample)
+  assert sample.main(["--model_dir=dir", "--prompt=ab", "--max_new_tokens=4"]) == 0
+  assert seen["mask_id"] == expected
+  assert capsys.readouterr().out == "abMMMM\n"
 
 
 @pytest.mark.slow
