@@ -39,7 +39,7 @@ from openmoe_jax.convert.layout import (ConversionError, Layout, Requirement, Ru
                                         Transform, check_supported, export_tensors,
                                         import_tensors)
 from openmoe_jax.convert.openmoe import (HF_MLP_NAMES, HF_OPENMOE, O_HF, Q_HF,
-                                         T5X_OPENMOE, _hf_globals, mlp_rules)
+                                         T5X_OPENMOE, mlp_rules)
 from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter
 
 
@@ -89,6 +89,14 @@ QWEN3_MOE_REQUIREMENTS = (
 )
 
 
+def llama_globals(cfg: ModelConfig) -> List[Rule]:
+  """Returns the embedding, final norm and untied head rules ([V, d] torch head)."""
+  del cfg
+  return [Rule("model.embed_tokens.weight", ("embed", "embedding")),
+          Rule("model.norm.weight", ("final_norm", "scale")),
+          Rule("lm_head.weight", ("head",), T)]
+
+
 def attention_rules(p: str, qk_norm: bool) -> List[Rule]:
   """Returns Llama-style attention rules under prefix `p` (+ Qwen3's q/k_norm)."""
   rules = [Rule(p + "input_layernorm.weight", ("pre_attention_norm", "scale"))]
@@ -123,7 +131,7 @@ QWEN_EXPERTS = ("gate_proj", "up_proj", "down_proj")
 def _mixtral_layer(cfg: ModelConfig, i: int, sparse: bool) -> List[Rule]:
   del sparse  # every layer is MoE (a requirement)
   p = f"model.layers.{i}."
-  return attention_rules(p, cfg.qk_norm) + [
+  return attention_rules(p, qk_norm=False) + [
       Rule(p + "post_attention_layernorm.weight", ("pre_moe_norm", "scale"))
   ] + moe_rules(p + "block_sparse_moe.", MIXTRAL_EXPERTS)
 
@@ -137,8 +145,8 @@ def _qwen3_moe_layer(cfg: ModelConfig, i: int, sparse: bool) -> List[Rule]:
                   ] + moe_rules(p + "mlp.", QWEN_EXPERTS)
 
 
-MIXTRAL = Layout("mixtral", _hf_globals, _mixtral_layer, MIXTRAL_REQUIREMENTS)
-QWEN3_MOE = Layout("qwen3_moe", _hf_globals, _qwen3_moe_layer, QWEN3_MOE_REQUIREMENTS)
+MIXTRAL = Layout("mixtral", llama_globals, _mixtral_layer, MIXTRAL_REQUIREMENTS)
+QWEN3_MOE = Layout("qwen3_moe", llama_globals, _qwen3_moe_layer, QWEN3_MOE_REQUIREMENTS)
 
 
 def llama_config_fields(cfg: ModelConfig) -> dict:
@@ -239,7 +247,7 @@ def _glm4_moe_layer(cfg: ModelConfig, i: int, sparse: bool) -> List[Rule]:
       for hf, ours in zip(QWEN_EXPERTS, ("wi_0", "wi_1", "wo"))]
 
 
-GLM4_MOE = Layout("glm4_moe", _hf_globals, _glm4_moe_layer, GLM4_MOE_REQUIREMENTS)
+GLM4_MOE = Layout("glm4_moe", llama_globals, _glm4_moe_layer, GLM4_MOE_REQUIREMENTS)
 
 
 def glm4_moe_hf_config(cfg: ModelConfig) -> dict:
