@@ -131,7 +131,7 @@ def test_unscanned_layers_export_the_same_tensors():
     np.testing.assert_array_equal(again[name], array)
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_what_transformers_saves_loads_here(name, tmp_path):
   # transformers' own random model, written by save_pretrained in both forms: the
   # default per-expert names and its fused in-memory names.
