@@ -23,8 +23,8 @@ import numpy as np
 
 from openmoe_jax import gin_utils, run_loader
 from openmoe_jax.config import ModelConfig
-from openmoe_jax.convert import hf_io, params_export, registry
-from openmoe_jax.convert.layout import ConversionError, export_tensors, import_tensors
+from openmoe_jax.convert import hf_io, hf_native, params_export, registry
+from openmoe_jax.convert.layout import ConversionError
 from openmoe_jax.convert.t5x_reader import T5xCheckpoint
 from openmoe_jax.data import pipeline
 from openmoe_jax.model import Decoder
@@ -114,11 +114,12 @@ def _check_output(output: str) -> None:
 
 def _import(reader, layout, args, files, bindings, paths, say) -> None:
   cfg = _model_from_gin(files, bindings, paths)
+  registry.check(cfg, layout)
   _check_output(args.output)
-  say(f"Reading {len(reader.names)} tensors into the {layout.name!r} layout "
+  say(f"Reading {len(reader.names)} tensors in the {layout.name!r} layout "
       f"({cfg.num_layers} layers, {sum(cfg.sparse_layers())} MoE)")
-  params = import_tensors(reader.read, reader.names, cfg, layout, _abstract_params(cfg),
-                          progress=say)
+  params = hf_native.import_hf_tensors(reader.read, reader.names, cfg, layout,
+                                       _abstract_params(cfg), progress=say)
   say(f"Writing the params export to {args.output}")
   params_export.save(args.output, params, args.step, gin.config_str(),
                      source=f"{args.command} {os.path.abspath(args.checkpoint)}",
@@ -141,7 +142,7 @@ def _to_hf(args, say) -> None:
   _check_output(args.output)
   say(f"Writing {args.layout} layout of step {step} to {args.output}")
   files = hf_io.write_safetensors(
-      args.output, export_tensors(params, run.config, layout),
+      args.output, hf_native.export_hf_tensors(params, run.config, layout),
       max_shard_bytes=int(args.max_shard_gb * 2**30), progress=say)
   hf_io.write_config(args.output, hf_config(run.config))
   if run.mixture_or_task_name:

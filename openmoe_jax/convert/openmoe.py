@@ -8,7 +8,7 @@ its router as `gate_weight` [E, d]. Both need OpenMoE's forward: every-k MoE lay
 with the extra dense MLP, OpenMoE's SwiGLU (wi_0 -> [x1 | x2]), softmax top-2
 without renormalisation, unscaled attention logits, RoPE base 1e4.
 """
-from typing import List
+from typing import List, Optional
 
 from openmoe_jax.config import ModelConfig
 from openmoe_jax.convert.layout import COPY, Layout, Requirement, Rule, T, Transform
@@ -20,13 +20,20 @@ Q_HF = Transform(merge="last2", transpose=True)  # <-> [H*D, d]
 O_HF = Transform(merge="first2", transpose=True)  # <-> [d, H*D]
 
 
+def moe_interval(cfg: ModelConfig) -> Optional[int]:
+  """Returns k when layer i is MoE iff (i+1) % k == 0 (OpenMoE's only layout; the HF
+  port's moe_layer_interval), else None. Explicit layer patterns count too."""
+  sparse = cfg.sparse_layers()
+  if True not in sparse:
+    return None
+  k = sparse.index(True) + 1
+  return k if sparse == tuple((i + 1) % k == 0 for i in range(len(sparse))) else None
+
+
 def _every_k_layout(cfg: ModelConfig) -> str:
-  """Returns "every-k" when layer i is MoE iff (i+1) % k == 0 for some k, else the
-  pattern (OpenMoE's only layout; the HF port reads it as moe_layer_interval)."""
-  k = cfg.sparse_interval
-  want = tuple(bool(k) and (i + 1) % k == 0 for i in range(cfg.num_layers))
-  return "every-k" if k and cfg.sparse_layers() == want else "".join(
-      "M" if s else "D" for s in cfg.sparse_layers())
+  if moe_interval(cfg):
+    return "every k-th layer MoE"
+  return "".join("M" if s else "D" for s in cfg.sparse_layers())
 
 
 OPENMOE_REQUIREMENTS = (
@@ -35,8 +42,7 @@ OPENMOE_REQUIREMENTS = (
                 lambda c: c.scale_attention_logits, (False,)),
     Requirement("ModelConfig.qk_norm", lambda c: c.qk_norm, (False,)),
     Requirement("ModelConfig.rope_base", lambda c: c.rope_base, (10000.0,)),
-    Requirement("layer layout (every sparse_interval-th layer MoE)", _every_k_layout,
-                ("every-k",)),
+    Requirement("layer layout", _every_k_layout, ("every k-th layer MoE",)),
     Requirement("MoeConfig.router", lambda c: type(c.moe.router).__name__,
                 (TokenChoiceRouter.__name__,)),
     Requirement("MoeConfig.gate", lambda c: c.moe.gate, ("softmax",)),
@@ -133,7 +139,7 @@ def openmoe_hf_config(cfg: ModelConfig) -> dict:
       "tie_word_embeddings": False, "pretraining_tp": 1, "dropout_rate": 0.0,
       "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0,
       "max_position_embeddings": 2048, "initializer_range": 0.02,
-      "num_experts": moe.num_experts, "moe_layer_interval": cfg.sparse_interval,
+      "num_experts": moe.num_experts, "moe_layer_interval": moe_interval(cfg),
       "router_topk": moe.top_k,
       "router_capacity_factor_train": moe.capacity_factor_train,
       "router_capacity_factor_eval": moe.capacity_factor_eval,
