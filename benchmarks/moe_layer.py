@@ -106,19 +106,25 @@ def _fwd_bwd(module, **kwargs):
   return jax.value_and_grad(loss, argnums=(0, 1))
 
 
-def dense_ms(shape, runs: int = 5, warmup: int = 2):
-  """Returns (ms, peak bytes) of the dense swiglu MLP of width top_k x d_ff."""
+def dense_problem(shape):
+  """Returns (loss_and_grads, params, x, ct) of the dense swiglu MLP of width
+  top_k x d_ff that `dense_ms` times."""
   d_model, d_ff, _, top_k, tokens = shape
   x_btd, ct_btd = _inputs(d_model, tokens)
   mlp = Mlp("swiglu", top_k * d_ff)
   params = nn.unbox(mlp.init(jax.random.PRNGKey(2), x_btd))
-  return _time_and_memory(_fwd_bwd(mlp), params, x_btd, ct_btd, runs=runs,
-                          warmup=warmup)
+  return _fwd_bwd(mlp), params, x_btd, ct_btd
 
 
-def bench_row(config: str, shape, dispatcher: str, dense: float, runs: int = 5,
-              warmup: int = 2):
-  """Returns one result row (dict) for the MoE layer of `shape` with `dispatcher`."""
+def dense_ms(shape, runs: int = 5, warmup: int = 2):
+  """Returns (ms, peak bytes) of the dense swiglu MLP of width top_k x d_ff."""
+  fn, params, x_btd, ct_btd = dense_problem(shape)
+  return _time_and_memory(fn, params, x_btd, ct_btd, runs=runs, warmup=warmup)
+
+
+def moe_problem(shape, dispatcher: str):
+  """Returns (loss_and_grads, params, x, ct) of the MoE layer of `shape` with
+  `dispatcher` that `bench_row` times: one group of all tokens, train mode."""
   d_model, d_ff, experts, top_k, tokens = shape
   engine, dropless = DISPATCHERS[dispatcher]
   cf = None if dropless else CAPACITY_FACTOR
@@ -129,8 +135,16 @@ def bench_row(config: str, shape, dispatcher: str, dense: float, runs: int = 5,
   x_btd, ct_btd = _inputs(d_model, tokens)
   layer = MoeLayer(cfg, "swiglu", d_ff)
   params = nn.unbox(layer.init(jax.random.PRNGKey(2), x_btd, train=True))
-  ms, peak = _time_and_memory(_fwd_bwd(layer, train=True), params, x_btd, ct_btd,
-                              runs=runs, warmup=warmup)
+  return _fwd_bwd(layer, train=True), params, x_btd, ct_btd
+
+
+def bench_row(config: str, shape, dispatcher: str, dense: float, runs: int = 5,
+              warmup: int = 2):
+  """Returns one result row (dict) for the MoE layer of `shape` with `dispatcher`."""
+  d_model, d_ff, experts, top_k, tokens = shape
+  cf = None if DISPATCHERS[dispatcher][1] else CAPACITY_FACTOR
+  fn, params, x_btd, ct_btd = moe_problem(shape, dispatcher)
+  ms, peak = _time_and_memory(fn, params, x_btd, ct_btd, runs=runs, warmup=warmup)
   return {"config": config, "dispatcher": dispatcher, "tokens": tokens,
           "experts": experts, "top_k": top_k, "d_model": d_model, "d_ff": d_ff,
           "capacity_factor": cf, "ms": round(ms, 3), "dense_ms": round(dense, 3),

@@ -1,8 +1,12 @@
 """Gin flags and config parsing with t5x conventions.
 
 Command line:  --gin_file=runs/quickstart.gin (repeatable)
-               --gin.train.steps=100 --gin.MODEL_DIR=/tmp/run (repeatable)
+               --gin.TRAIN_STEPS=100 --gin.MODEL_DIR=/tmp/run (repeatable)
                --gin_search_paths=dir1,dir2
+
+(`TRAIN_STEPS` is the macro the run files bind `train.train_steps` and the learning
+rate schedule's total steps to; `--gin.train.train_steps=100` alone would leave the
+schedule at the file's length.)
 
 Gin files are looked up in the current directory, then in --gin_search_paths, then in
 the library's own gin folder (`gin_config_dir()`); `include` lines inside gin files

@@ -26,7 +26,8 @@ from openmoe_jax.data import sources as sources_lib
 PREFIX = "openmoe_"
 UL2_SUFFIX = "_ul2"
 
-# Relative example rates from OpenMoE's gin files (REFERENCE.md). Version I was
+# Relative example rates from OpenMoE's t5x gin files (github.com/XueFuzhao/t5x;
+# the data versions of Xue et al. 2024, OpenMoE, arXiv:2402.01739). Version I was
 # all RedPajama (its wikipedia is RedPajama's) plus The Stack; II and III add
 # a separate Wikipedia ("wiki") beside RedPajama's ("rp-wiki").
 OPENMOE_MIXTURES: dict[str, dict[str, float]] = {

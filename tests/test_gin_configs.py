@@ -1,5 +1,5 @@
-"""Every gin file under gin/ parses and, where it configures a model, builds it
-abstractly (jax.eval_shape: no parameter memory)."""
+"""Every gin file under gin/ parses and builds its model abstractly (jax.eval_shape:
+no parameter memory) with exactly the parameters an independent count predicts."""
 import math
 import pathlib
 
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from openmoe_jax import gin_utils
-from openmoe_jax.config import ModelConfig
+from openmoe_jax.config import ModelConfig, MoeConfig
 from openmoe_jax.model import Decoder
 
 GIN_ROOT = pathlib.Path(__file__).resolve().parents[1] / "gin"
@@ -21,8 +21,37 @@ def test_gin_folder_is_not_empty():
           "objectives/causal_lm.gin"} <= set(GIN_FILES)
 
 
+def expected_param_count(cfg: ModelConfig) -> int:
+  """Returns the parameter count of `cfg`'s decoder, from the architecture alone.
+
+  Embedding table + untied head + final norm; per layer an RMSNorm and attention
+  (q, k, v, out of d x h x d_h; QK-norm scales of d_h), then for a dense layer an
+  RMSNorm and the gated MLP, for an MoE layer an RMSNorm, the router (d x E, plus
+  d x S rows for gated shared experts), E routed and S shared gated MLPs, and with
+  the residual MLP one more RMSNorm and dense MLP. A gated MLP of width f has
+  wi_0 (d x 2f for OpenMoE's SwiGLU, else d x f), wi_1 (d x f) and wo (f x d).
+  """
+  d, moe = cfg.d_model, cfg.moe
+  wi_0 = 2 if cfg.mlp_kind == "openmoe_swiglu" else 1
+  mlp = lambda f: d * wi_0 * f + d * f + f * d
+  attention = d + 4 * d * cfg.num_heads * cfg.head_dim + 2 * cfg.head_dim * cfg.qk_norm
+  dense = attention + d + mlp(cfg.d_ff)
+  expert_f = moe.expert_d_ff or cfg.d_ff
+  shared = moe.num_shared_experts
+  router = d * (moe.num_experts + (shared if moe.shared_experts_gated else 0))
+  sparse = (attention + d + router + moe.num_experts * mlp(expert_f)
+            + shared * mlp(moe.shared_expert_d_ff or expert_f)
+            + (d + mlp(cfg.d_ff)) * moe.residual_mlp)
+  k = cfg.sparse_interval
+  pattern = cfg.layer_pattern or "".join(
+      "M" if k and i >= cfg.num_dense_first and i % k == k - 1 else "D"
+      for i in range(cfg.num_layers))
+  return (2 * cfg.vocab_size * d + d + pattern.count("D") * dense
+          + pattern.count("M") * sparse)
+
+
 @pytest.mark.parametrize("name", GIN_FILES)
-def test_gin_file_parses_and_builds_model(name):
+def test_gin_file_parses_and_builds_model_with_the_expected_parameters(name):
   gin.clear_config()
   gin_utils.import_configurables()
   gin_utils.parse_gin([name], finalize=False)
@@ -32,8 +61,24 @@ def test_gin_file_parses_and_builds_model(name):
   seq = min(cfg.moe.group_size, 128)
   tokens = jax.ShapeDtypeStruct((1, seq), jnp.int32)
   variables = jax.eval_shape(Decoder(cfg).init, jax.random.PRNGKey(0), tokens)
+  assert set(variables) == {"params"}
   count = sum(math.prod(x.shape) for x in jax.tree.leaves(variables))
-  assert count > 0
+  assert count == expected_param_count(cfg)
+
+
+def test_expected_param_count_by_hand():
+  # The count's formula itself, on a tiny config written out term by term.
+  cfg = ModelConfig(vocab_size=10, d_model=4, num_heads=2, head_dim=2, d_ff=6,
+                    num_layers=2, mlp_kind="openmoe_swiglu", sparse_interval=2,
+                    qk_norm=True,
+                    moe=MoeConfig(num_experts=3, expert_d_ff=5, num_shared_experts=1,
+                                  shared_expert_d_ff=7, shared_experts_gated=True))
+  attention = 4 + 4 * 4 * 2 * 2 + 2 * 2  # norm, q k v out, q/k norm scales
+  dense_mlp = 4 * 12 + 4 * 6 + 6 * 4
+  dense = attention + 4 + dense_mlp
+  sparse = (attention + 4 + 4 * (3 + 1) + 3 * (4 * 10 + 4 * 5 + 5 * 4)
+            + (4 * 14 + 4 * 7 + 7 * 4) + 4 + dense_mlp)
+  assert expected_param_count(cfg) == 2 * 10 * 4 + 4 + dense + sparse
 
 
 def test_openmoe_base_preset_has_the_published_shape():

@@ -168,3 +168,18 @@ def test_gin_config_dir_is_library_folder():
     assert found in (os.path.join(package_dir, "gin_configs"),
                      os.path.join(os.path.dirname(package_dir), "gin"))
     assert not os.path.isfile(os.path.join(found, "config.py"))  # not the gin library
+
+
+def test_module_docstring_command_line_parses_against_the_library_gin():
+  # The flags the module docstring shows must bind what they claim on a real run file.
+  line = next(l for l in gin_utils.__doc__.splitlines() if "--gin.MODEL_DIR" in l)
+  flags = ["--gin_file=runs/quickstart.gin"] + [
+      f for f in line.split() if f.startswith("--gin.")]
+  files, bindings, paths, other = gin_utils.parse_flags(flags)
+  assert not other and len(bindings) == 2
+  gin.clear_config()
+  gin_utils.import_configurables()
+  gin_utils.parse_gin(files, bindings, paths, finalize=False)
+  assert repr(gin.query_parameter("train.train_steps")) == "%TRAIN_STEPS"
+  assert gin.query_parameter("%TRAIN_STEPS") == 100
+  assert gin.query_parameter("%MODEL_DIR") == "/tmp/run"

@@ -13,7 +13,9 @@ from openmoe_jax.data import sources
 from openmoe_jax.data import vocabulary as vocab_lib
 from openmoe_jax.tasks import openmoe
 
-# Relative weights as REFERENCE.md gives them.
+# Relative weights of OpenMoE's data versions I-III as its t5x gin files give them
+# (github.com/XueFuzhao/t5x; Xue et al. 2024, arXiv:2402.01739), written out here
+# independently of tasks/openmoe.py.
 WEIGHTS = {
     "v1": {"c4": 15, "wikipedia": 4.5, "stackexchange": 2, "arxiv": 2.5, "book": 4.5,
            "github": 4.5, "common_crawl": 67, "the_stack": 100},

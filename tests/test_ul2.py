@@ -97,6 +97,60 @@ def test_span_corruption_statistics_and_reconstruction(vocab, name):
     assert len(set(full_spans)) > 3
 
 
+# (noise density, mean span) of the span-corruption denoisers in OpenMoE's mixture,
+# plus (0.15, 64) to cover a long span at low density.
+SPAN_PAIRS = ((0.15, 3.0), (0.15, 8.0), (0.5, 3.0), (0.5, 8.0), (0.5, 64.0),
+              (0.15, 64.0))
+
+
+def _t5_span_counts_n(lengths_n, noise_density, mean_span):
+  """Returns T5's (noise tokens [n], noise spans [n]) for each length, written from
+  t5/data/preprocessors.py random_spans_noise_mask: float32 math, tf.round (half to
+  even), noise clamped to [1, length - 1], spans at least 1."""
+  f32 = np.float32
+  noise_n = np.round(lengths_n.astype(f32) * f32(noise_density)).astype(np.int32)
+  noise_n = np.minimum(np.maximum(noise_n, 1), lengths_n - 1)
+  spans_n = np.round(noise_n.astype(f32) / f32(mean_span)).astype(np.int32)
+  return noise_n, np.maximum(spans_n, 1)
+
+
+def test_span_pairs_cover_the_openmoe_mixture():
+  pairs = {(d.noise_density, d.mean_span) for d in ul2.OPENMOE_DENOISERS
+           if not d.is_prefix_lm}
+  assert pairs <= set(SPAN_PAIRS)
+
+
+@pytest.mark.parametrize("noise_density,mean_span", SPAN_PAIRS)
+def test_span_counts_equal_t5_for_every_length(noise_density, mean_span):
+  lengths_n = np.arange(2, 4097, dtype=np.int32)
+  want_noise_n, want_spans_n = _t5_span_counts_n(lengths_n, noise_density, mean_span)
+  got = np.array([ul2.span_counts(int(n), noise_density, mean_span)
+                  for n in lengths_n])
+  np.testing.assert_array_equal(got[:, 0], want_noise_n)
+  np.testing.assert_array_equal(got[:, 1], want_spans_n)
+
+
+def test_span_counts_at_length_190():
+  # 190 x 0.15 is 28.4999... in float64 but 28.500002 in float32: T5 masks 29
+  # tokens in round(29 / 3) = 10 spans, not 28 in 9.
+  assert ul2.span_counts(190, 0.15, 3.0) == (29, 10)
+  assert ul2.span_counts(190, 0.15, 8.0) == (29, 4)
+
+
+@pytest.mark.parametrize("noise_density,mean_span", SPAN_PAIRS)
+def test_noise_mask_counts_equal_t5(noise_density, mean_span):
+  # The first lengths where float32 and float64 rounding differ at density 0.15
+  # (190 ... 1310), plus a spread; the graph is traced once for all lengths.
+  lengths_n = np.array([2, 3, 5, 17, 190, 350, 390, 670, 1310, 2047, 4096], np.int32)
+  want_noise_n, want_spans_n = _t5_span_counts_n(lengths_n, noise_density, mean_span)
+  mask_fn = tf.function(lambda n: ul2.random_spans_noise_mask(
+      n, noise_density, mean_span, tf.constant([[1, 2], [3, 4]])))
+  for n, want_noise, want_spans in zip(lengths_n, want_noise_n, want_spans_n):
+    mask = mask_fn(tf.constant(n)).numpy()
+    starts = mask & ~np.pad(mask[:-1], [1, 0])
+    assert (mask.size, mask.sum(), starts.sum()) == (n, want_noise, want_spans)
+
+
 def test_piece_length_fits_and_respects_sentinels(vocab):
   for d in ul2.OPENMOE_DENOISERS:
     for lengths in (LENGTHS, {"inputs": 1024, "targets": 1024}):

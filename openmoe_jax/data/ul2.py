@@ -26,6 +26,7 @@ import functools
 from typing import Mapping, Optional, Sequence
 
 import gin
+import numpy as np
 import seqio
 import tensorflow as tf
 
@@ -98,10 +99,15 @@ def span_counts(length: int, noise_density: float,
                 mean_span: float) -> tuple[int, int]:
   """Returns (noise tokens, noise spans) of T5's mask for `length` tokens.
 
-  Float64 rounding half to even, exactly as `random_spans_noise_mask` does.
+  As t5's `random_spans_noise_mask` (t5/data/preprocessors.py) computes them:
+  float32 products and quotients, rounded half to even; noise tokens clamped to
+  [1, length - 1], spans at least 1. Float64 would differ for some lengths
+  (190 x 0.15 is 28.499... in float64 but 28.500002 in float32: T5 masks 29).
   """
-  noise = min(max(round(length * noise_density), 1), length - 1)
-  return noise, max(round(noise / mean_span), 1)
+  f32 = np.float32
+  noise = int(np.round(f32(length) * f32(noise_density)))
+  noise = min(max(noise, 1), length - 1)
+  return noise, max(int(np.round(f32(noise) / f32(mean_span))), 1)
 
 
 def example_lengths(d: Denoiser, length: int, mode_len: int) -> tuple[int, int]:
@@ -154,10 +160,10 @@ def random_spans_noise_mask(length, noise_density: float, mean_span: float,
   `span_counts(length, ...)`. `seeds`: [2, 2] int32 stateless seeds.
   """
   length = tf.cast(length, tf.int32)
-  as_f64 = lambda x: tf.cast(x, tf.float64)
-  noise = tf.cast(tf.math.round(as_f64(length) * noise_density), tf.int32)
+  as_f32 = lambda x: tf.cast(x, tf.float32)  # T5's precision: see span_counts
+  noise = tf.cast(tf.math.round(as_f32(length) * noise_density), tf.int32)
   noise = tf.clip_by_value(noise, 1, length - 1)
-  spans = tf.cast(tf.math.round(as_f64(noise) / mean_span), tf.int32)
+  spans = tf.cast(tf.math.round(as_f32(noise) / mean_span), tf.int32)
   spans = tf.maximum(spans, 1)
   noise_lengths = _random_segmentation(noise, spans, seeds[0])
   keep_lengths = _random_segmentation(length - noise, spans, seeds[1])

@@ -12,6 +12,8 @@ out[i] = lhs[i] @ rhs[e(i)] for the rows of group e (groups in order, starting a
   multiplies each [tile, d] block by its expert's [d, f] weight. A custom VJP keeps
   the backward as cheap: lhs grad is the same grouped matmul against rhs transposed,
   rhs grad accumulates block by block into [E, d, f].
+- "pallas": the TPU path, megablox's gmm / tgmm Pallas kernels (pallas_gmm.py), run
+  in interpret mode off TPU.
 """
 import functools
 from typing import NamedTuple, Optional

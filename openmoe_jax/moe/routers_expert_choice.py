@@ -44,13 +44,16 @@ def expert_choice_routing(scores_ute: jax.Array, capacity: int, renormalize: boo
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class ExpertChoiceRouter:
-  """Expert choice: every expert takes exactly C = max(round(cf * k * T / E), 1) tokens.
+  """Expert choice: every expert takes exactly C tokens of each unit of T tokens,
+  C = min(max(round(cf * k * T / E), 1), T) (see `capacity`).
 
   T is the number of tokens of a group (`level="batch"`) or of one sequence
   (`level="sequence"`: an expert never picks across sequences; the MoE group must
   hold whole sequences). k = `MoeConfig.top_k` is the average number of experts per
-  token; cf = `MoeConfig.capacity_factor(train)` (OpenMoE 2 uses 1.0). Tokens taken by
-  no expert are dropped (`drop_fraction` = `no_expert_fraction` here).
+  token; cf = `MoeConfig.capacity_factor(train)` (OpenMoE 2 uses 1.0). C is clamped
+  to T because an expert cannot take a token twice: with cf * k >= E (e.g. an eval
+  capacity factor of E / k) every expert takes every token. Tokens taken by no
+  expert are dropped (`drop_fraction` = `no_expert_fraction` here).
 
   WARNING: which tokens an expert takes depends on later tokens of the unit, so expert
   choice is not causal; it suits bidirectional (diffusion) models.
@@ -72,7 +75,11 @@ class ExpertChoiceRouter:
                          tuple(float(f) for f in self.count_scaling_factors))
 
   def capacity(self, cfg: Any, tokens_per_unit: int, train: bool) -> int:
-    """Returns C, the tokens each expert takes from a unit of `tokens_per_unit`."""
+    """Returns C, the tokens each expert takes from a unit of T = `tokens_per_unit`.
+
+    C = round(cf * k * T / E) (Python's round: halves to even), at least 1 and at
+    most T; cf = `cfg.capacity_factor(train)`, k = `cfg.top_k`, E = `cfg.num_experts`.
+    """
     c = int(round(cfg.capacity_factor(train) * cfg.top_k * tokens_per_unit
                   / cfg.num_experts))
     return min(max(c, 1), tokens_per_unit)
