@@ -166,17 +166,21 @@ def main(argv=None) -> int:
   model = Decoder(serving_config(run.config, diffusion))
   prompt_ids = vocab.encode(args.prompt)
   rng = jax.random.PRNGKey(args.seed)
-  if diffusion:
-    out = sample_diffusion(model, params, prompt_ids or [0], gen_length=args.max_new_tokens,
+  if diffusion:  # the diffusion objective reads targets: no start token
+    prompt_ids = prompt_ids or [0]
+    out = sample_diffusion(model, params, prompt_ids, gen_length=args.max_new_tokens,
                            steps=args.steps, block_length=args.block_length,
                            remasking=args.remasking, temperature=args.temperature,
                            rng=rng, mask_id=run_loader.run_mask_id(objective, vocab),
                            vocab_limit=vocab.vocab_size)[0]
   else:
+    # Training inputs are targets shifted right behind a 0 (seqio's decoder feature
+    # converter; OpenMoE's umT5 BOS): every sequence starts with 0.
+    prompt_ids = [0] + prompt_ids
     out = sample_autoregressive(model, params, prompt_ids, max_new_tokens=args.max_new_tokens,
                                 temperature=args.temperature, top_p=args.top_p, rng=rng,
                                 eos_id=vocab.eos_id, vocab_limit=vocab.vocab_size)
-  new_ids = [int(i) for i in out[max(len(prompt_ids), 1):]]
+  new_ids = [int(i) for i in out[len(prompt_ids):]]
   if vocab.eos_id in new_ids:
     new_ids = new_ids[:new_ids.index(vocab.eos_id)]
   print(args.prompt + vocab.decode(new_ids))

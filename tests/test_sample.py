@@ -142,6 +142,26 @@ def test_cli_diffusion_uses_the_objective_mask_id(monkeypatch, capsys, bound, ex
   assert capsys.readouterr().out == "abMMMM\n"
 
 
+def test_cli_autoregressive_prompt_starts_with_token_0(monkeypatch, capsys):
+  """Training inputs are targets shifted right behind a 0 (seqio; OpenMoE's BOS), so
+  the CLI must decode from [0] + prompt and print only what follows it."""
+  gin_utils.import_configurables()
+  run = run_loader.Run(model_dir="dir", config=CFG, mixture_or_task_name="task",
+                       sequence_length=16, batch_size=1, steps=[3])
+  monkeypatch.setattr(run_loader, "load_run", lambda model_dir: run)
+  monkeypatch.setattr(run_loader, "restore_params", lambda model_dir, step: {})
+  monkeypatch.setattr(pipeline, "vocabulary_for", lambda name: _Vocab())
+  seen = []
+
+  def fake_sample(model, params, prompt_ids, **kwargs):
+    seen.append(list(prompt_ids))
+    return np.asarray(list(prompt_ids) + [2, 3], np.int32)
+  monkeypatch.setattr(sample, "sample_autoregressive", fake_sample)
+  assert sample.main(["--model_dir=dir", "--prompt=ab", "--mode=ar"]) == 0
+  assert seen == [[0] + _Vocab().encode("ab")]
+  assert capsys.readouterr().out == "abCD\n"
+
+
 @pytest.mark.slow
 def test_cli_samples_from_a_trained_run(tmp_path, capsys):
   model_dir = tmp_path / "run"
