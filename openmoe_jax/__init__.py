@@ -8,6 +8,12 @@ import sys as _sys
 
 __version__ = "0.1.0"
 
+# Before any module of the package imports jax: choose the CPU when libtpu is
+# installed but no TPU is attached, and quiet native log noise in our programs.
+from openmoe_jax.cli import environment as _environment  # pylint: disable=g-import-not-at-top
+
+_environment.prepare_process()
+
 
 def __getattr__(name):
   """`openmoe_jax.load_model` without importing jax at package import."""
