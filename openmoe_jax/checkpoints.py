@@ -77,6 +77,10 @@ class Checkpointer:
     }))
     return restored[_STATE], dict(restored[_DATA_POSITION] or {})
 
+  def saving_in_progress(self) -> bool:
+    """Returns whether an asynchronous save is still being written."""
+    return self._manager.is_saving_in_progress()
+
   def wait_until_finished(self) -> None:
     """Blocks until pending asynchronous saves are committed to disk."""
     self._manager.wait_until_finished()

@@ -44,6 +44,17 @@ class MetricsLogger:
     self._pending: list[str] = []
     self._local = "://" not in os.fspath(self.jsonl_path)
 
+  def drop_rows_after(self, step: int) -> int:
+    """Removes the rows of steps after `step` from metrics.jsonl (a resumed run
+    writes those steps again); returns how many rows were removed."""
+    if not self.is_chief or not self.jsonl_path.exists():
+      return 0
+    lines = [l for l in self.jsonl_path.read_text().splitlines() if l.strip()]
+    kept = [l for l in lines if json.loads(l).get("step", 0) <= step]
+    if len(kept) != len(lines):
+      self.jsonl_path.write_text("".join(l + "\n" for l in kept))
+    return len(lines) - len(kept)
+
   def write(self, step: int, scalars: Mapping[str, float]) -> dict:
     """Records `scalars` at `step`; returns the row written ({"step": ..., name: float})."""
     row = {"step": int(step), **{k: to_float(v) for k, v in scalars.items()}}

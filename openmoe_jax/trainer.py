@@ -254,6 +254,9 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
       state, position = init(rng), {"train_batches": 0}
     start = int(state.step)
     _print_model_summary(print_fn, cfg, abstract.params, mesh)
+    if start >= train_steps:
+      print_fn(f"Nothing to train: the run is at step {start} and TRAIN_STEPS is "
+               f"{train_steps} (raise --gin.TRAIN_STEPS to train further)")
     gin_utils.write_operative_config(model_dir)
     host_data = functools.partial(
         pipeline.get_dataset, sequence_length=sequence_length,
@@ -282,9 +285,17 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
 
     parts = lambda step: stage_parts(stage_index(stages, step))
     logger = MetricsLogger(model_dir, is_chief=jax.process_index() == 0)
+    # Rows past the step this run starts from belong to steps it will run again.
+    dropped = logger.drop_rows_after(start if start > 0 else -1)
+    if dropped:
+      print_fn(f"Dropped {dropped} metrics.jsonl row(s) past step {start} (steps "
+               "that ran after the last checkpoint; this run repeats them)")
     loop = _Loop(parts, to_device, ckpt, logger, print_fn, rng,
                  tokens_per_batch=batch_size * sequence_length)
     summary = loop.run(state, train_steps, eval_every_steps, log_every_steps)
+    if ckpt.saving_in_progress():
+      print_fn(f"Waiting for the checkpoint of step {summary['final_step']} to be "
+               "written ...")
     ckpt.close()
     logger.close()
   return summary
@@ -325,13 +336,17 @@ class _Loop:
     self.ckpt, self.logger, self.print_fn = ckpt, logger, print_fn
     self.rng, self.tokens_per_batch = rng, tokens_per_batch
     self.summary: Dict[str, Any] = {}
-    self.steady_tokens_per_sec = []
+    self.steady_tokens_per_sec, self.all_tokens_per_sec = [], []
 
-  def evaluate(self, step, params):
-    """Logs and prints validation metrics at `step`."""
+  def evaluate(self, step, params, write=True):
+    """Prints (and, if `write`, logs) validation metrics at `step`."""
     metrics = self.parts(step)[1](params)
-    self.logger.write(step, {f"eval/{k}": v for k, v in metrics.items()})
-    self.summary.setdefault("first_eval_loss", metrics["ce_loss"])
+    if write:
+      self.logger.write(step, {f"eval/{k}": v for k, v in metrics.items()})
+    self.summary.setdefault("first_eval_ce_loss", metrics["ce_loss"])
+    self.summary["last_eval_ce_loss"] = metrics["ce_loss"]
+    # Older names of the two values above, kept for scripts reading the summary.
+    self.summary["first_eval_loss"] = self.summary["first_eval_ce_loss"]
     self.summary["last_eval_loss"] = metrics["ce_loss"]
     self.summary["last_eval_metrics"] = metrics
     self.print_fn(f"eval @ step {step}: ce_loss {metrics['ce_loss']:.4f} "
@@ -345,6 +360,7 @@ class _Loop:
     means = _mean_metrics(history)
     tokens_per_sec = len(history) * self.tokens_per_batch / (
         time.perf_counter() - window_start)
+    self.all_tokens_per_sec.append(tokens_per_sec)
     if not compiled_in_window:
       self.steady_tokens_per_sec.append(tokens_per_sec)
     # Routing statistics of training batches go under "moe/", as TensorBoard groups.
@@ -352,8 +368,12 @@ class _Loop:
                for k, v in means.items()}
     scalars["train/tokens_per_sec"] = tokens_per_sec
     self.logger.write(step, scalars)
+    # `loss` everywhere (progress line, summary, metrics.jsonl) is the objective's
+    # total: cross-entropy plus the auxiliary (router, z) losses; `ce_loss` is the
+    # cross-entropy alone, the number evaluation reports.
     progress.update(step, scalars["train/loss"], tokens_per_sec)
-    self.summary["last_train_loss"] = scalars["train/ce_loss"]
+    self.summary["last_train_loss"] = scalars["train/loss"]
+    self.summary["last_train_ce_loss"] = scalars["train/ce_loss"]
     self.summary["last_train_metrics"] = scalars
 
   def run(self, state, train_steps, eval_every, log_every) -> Dict[str, Any]:
@@ -361,62 +381,102 @@ class _Loop:
     start = int(state.step)
     self.summary["start_step"] = start
     if start == 0 or start >= train_steps:
-      self.evaluate(start, state.params)
+      # A resumed run with nothing left evaluates again without a second row.
+      self.evaluate(start, state.params, write=start == 0)
     progress = ProgressPrinter(train_steps, start, print_fn=self.print_fn)
-    with _sigterm_flag() as preempted:
+    with stop_signals() as stop:
       state = self._steps(state, start, train_steps, eval_every, log_every, progress,
-                          preempted)
-    final_step = int(state.step)
-    if self.ckpt.latest_step() != final_step:
-      self.ckpt.save(final_step, state, {"train_batches": final_step}, force=True)
+                          stop)
+      final_step = int(state.step)
+      if self.ckpt.latest_step() != final_step:
+        self.ckpt.save(final_step, state, {"train_batches": final_step}, force=True)
     self.summary["final_step"] = final_step
-    self.summary["preempted"] = bool(preempted)
-    if preempted:
-      self.print_fn(f"SIGTERM: stopped after step {final_step}, checkpoint saved; "
-                    "relaunch the same command to resume")
-    steady = self.steady_tokens_per_sec
-    self.summary["tokens_per_sec"] = float(np.mean(steady)) if steady else float("nan")
+    self.summary["preempted"] = bool(stop)
+    self.summary["interrupted"] = "SIGINT" in stop
+    if stop:
+      how = "Ctrl-C" if "SIGINT" in stop else stop[0]
+      self.print_fn(f"{how}: stopped after step {final_step}; checkpoint saved in "
+                    f"{self.ckpt.directory}/{final_step}. Run the same command again "
+                    "to resume from it.")
+    # Windows that included compilation count only when no other window exists.
+    rates = self.steady_tokens_per_sec or self.all_tokens_per_sec
+    self.summary["tokens_per_sec"] = float(np.mean(rates)) if rates else None
     return self.summary
 
-  def _steps(self, state, start, train_steps, eval_every, log_every, progress,
-             preempted):
-    """Runs the steps until train_steps or a SIGTERM; returns the last state."""
-    history, window_start = [], time.perf_counter()
+  def _steps(self, state, start, train_steps, eval_every, log_every, progress, stop):
+    """Runs the steps until train_steps or a stop signal; returns the last state.
+
+    At most one step waits in the device queue behind the one running, so a
+    signal is acted on after the step in flight, not after a queue of them.
+    """
+    history, window_start, previous = [], time.perf_counter(), None
     for step in range(start + 1, train_steps + 1):
       train_step, _, data = self.parts(step)
       state, metrics = train_step(state, self.to_device(next(data)), self.rng)
       history.append(metrics)
-      if step % log_every == 0 or step == train_steps:
+      if previous is not None:
+        jax.block_until_ready(previous)
+      previous = metrics
+      if step % log_every == 0 or step == train_steps or (stop and history):
         self.log(step, history, window_start,
                  compiled_in_window=step - len(history) == start, progress=progress)
         history, window_start = [], time.perf_counter()
-      self.ckpt.save(step, state, {"train_batches": step})
-      if preempted:
+      # The last step's checkpoint is forced here, so that it is written while the
+      # final evaluation runs rather than after it.
+      self.ckpt.save(step, state, {"train_batches": step},
+                     force=step == train_steps or bool(stop))
+      if stop:
         break
       if step % eval_every == 0 or step == train_steps:
+        if step == train_steps:
+          self.print_fn(f"Final evaluation at step {step} ...")
         self.evaluate(step, state.params)
         window_start = time.perf_counter()
     return state
 
 
 @contextlib.contextmanager
-def _sigterm_flag():
-  """Yields a list that becomes non-empty when SIGTERM arrives (TPU VMs get one
-  before maintenance or preemption); the previous handler is restored after."""
+def stop_signals(signals=(signal.SIGTERM, signal.SIGINT)):
+  """Yields a list that receives the name of each stop signal that arrives
+  ("SIGTERM": TPU VMs get one before maintenance or preemption; "SIGINT": Ctrl-C).
+
+  The loop stops after the step in flight. After a first SIGINT, Ctrl-C gets its
+  default action back: a second one kills the process at once. Previous handlers
+  are restored on exit. Off the main thread no handler can be installed and the
+  list stays empty.
+  """
   flag = []
   if threading.current_thread() is not threading.main_thread():
-    yield flag  # signal handlers can only be installed from the main thread
+    yield flag
     return
-  previous = signal.signal(signal.SIGTERM, lambda *_: flag.append(True))
+
+  def on_signal(signum, frame):
+    del frame
+    name = signal.Signals(signum).name
+    flag.append(name)
+    if signum == signal.SIGINT:
+      signal.signal(signal.SIGINT, signal.SIG_DFL)
+      # os.write: safe inside a handler, where print could meet a half-done print.
+      os.write(2, b"\nCtrl-C: finishing the step in flight, then saving a checkpoint"
+               b" (press Ctrl-C again to abort at once, without it)\n")
+
+  previous = {s: signal.signal(s, on_signal) for s in signals}
   try:
     yield flag
   finally:
-    signal.signal(signal.SIGTERM, previous)
+    for s, handler in previous.items():
+      if not (s == signal.SIGINT and "SIGINT" in flag):  # keep: 2nd Ctrl-C kills
+        signal.signal(s, handler)
 
 
 def _print_model_summary(print_fn, cfg: ModelConfig, abstract_params, mesh):
   num = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params))
-  sparse = sum(cfg.sparse_layers())
-  print_fn(f"Model: {cfg.num_layers} layers ({sparse} MoE, {cfg.moe.num_experts} "
-           f"experts, top-{cfg.moe.top_k}), d_model {cfg.d_model}, vocab "
+  moe_layers = [i for i, sparse in enumerate(cfg.sparse_layers()) if sparse]
+  if moe_layers:
+    kind = (f"MoE at layer{'s' if len(moe_layers) > 1 else ''} "
+            f"{', '.join(map(str, moe_layers))}: {cfg.moe.num_experts} experts, "
+            f"top-{cfg.moe.top_k}")
+  else:
+    kind = "dense, no MoE layer"
+  print_fn(f"Model: {cfg.num_layers} layers ({kind}), d_model {cfg.d_model}, vocab "
            f"{cfg.vocab_size}: {num / 1e6:.1f}M parameters; mesh {dict(mesh.shape)}")

@@ -76,3 +76,17 @@ def test_progress_printer_line_and_eta():
   assert line == ("step  200/1000 | loss 3.1416 | 12,346 tok/s | "
                   "elapsed 0:01:30 | eta 0:12:00")
   assert printer.line(100).endswith("eta ?:??:??")
+
+
+def test_drop_rows_after_keeps_earlier_rows_only(tmp_path):
+  model_dir = str(tmp_path / "run")
+  with metrics.MetricsLogger(model_dir) as logger:
+    for step in (0, 1, 2, 3, 4):
+      logger.write(step, {"train/loss": float(step)})
+  with metrics.MetricsLogger(model_dir) as logger:  # a run resumed from step 2
+    assert logger.drop_rows_after(2) == 2
+    assert logger.drop_rows_after(2) == 0
+    logger.write(3, {"train/loss": 30.0})
+  rows = [json.loads(l) for l in open(os.path.join(model_dir, metrics.JSONL_NAME))]
+  assert [(r["step"], r["train/loss"]) for r in rows] == [(0, 0.0), (1, 1.0), (2, 2.0),
+                                                          (3, 30.0)]

@@ -1,4 +1,7 @@
 """Train step pieces: exact gradient accumulation over microbatches."""
+import os
+import signal
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -98,3 +101,124 @@ def test_stage_index_follows_the_schedule():
   from openmoe_jax.trainer import Stage, stage_index  # pylint: disable=g-import-not-at-top
   stages = (Stage(0, "a"), Stage(3, "b"), Stage(5, "c"))
   assert [stage_index(stages, s) for s in range(0, 8)] == [0, 0, 0, 0, 1, 1, 2, 2]
+
+
+class _Recorder:
+  """Stands in for the Checkpointer and the MetricsLogger of `_Loop`."""
+
+  directory = "/ckpt"
+
+  def __init__(self):
+    self.saved, self.rows = [], []
+
+  def save(self, step, *a, force=False, **k):
+    if force:
+      self.saved.append(step)
+    return force
+
+  def latest_step(self):
+    return self.saved[-1] if self.saved else None
+
+  def write(self, step, scalars):
+    self.rows.append((step, dict(scalars)))
+    return {}
+
+
+def _counting_loop(on_batch, lines):
+  """Returns (_Loop, recorder) over a step that only counts (state.step + 1)."""
+  from openmoe_jax import trainer  # pylint: disable=g-import-not-at-top
+  step_fn = jax.jit(lambda state, batch, rng: (
+      state.replace(step=state.step + 1), {"loss": jnp.float32(2.0),
+                                           "ce_loss": jnp.float32(1.5)}))
+  def data():
+    i = 0
+    while True:
+      i += 1
+      on_batch(i)
+      yield {}
+  batches = data()
+  evaluate = lambda p: {"ce_loss": 3.0, "accuracy": 0.0}
+  recorder = _Recorder()
+  loop = trainer._Loop(lambda step: (step_fn, evaluate, batches), lambda b: b, recorder,
+                       recorder, lines.append, None, tokens_per_batch=10)
+  return loop, recorder
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_stops_after_the_step_in_flight(signum):
+  # The signal arrives while step 3 is dispatched: the loop must stop after it,
+  # checkpoint it and log it, not run on to the next log boundary (step 10).
+  lines = []
+  fire = lambda i: os.kill(os.getpid(), signum) if i == 3 else None
+  loop, recorder = _counting_loop(fire, lines)
+  try:
+    summary = loop.run(TrainState(jnp.zeros((), jnp.int32), {}, ()), train_steps=100,
+                       eval_every=1000, log_every=10)
+  finally:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+  assert summary["final_step"] == 3 and recorder.saved == [3]
+  assert summary["preempted"] and summary["interrupted"] == (signum == signal.SIGINT)
+  assert [s for s, row in recorder.rows if "train/loss" in row] == [3]
+  assert any("stopped after step 3" in l and "same command" in l for l in lines)
+
+
+def test_a_first_ctrl_c_leaves_the_second_to_kill():
+  from openmoe_jax import trainer  # pylint: disable=g-import-not-at-top
+  try:
+    with trainer.stop_signals() as stop:
+      os.kill(os.getpid(), signal.SIGINT)
+      assert stop == ["SIGINT"]
+      assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL  # still, after the loop
+  finally:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def test_the_loop_keeps_at_most_one_step_queued():
+  # Asynchronous dispatch would otherwise run far ahead of the device, and a stop
+  # signal would wait for every queued step.
+  from openmoe_jax import trainer  # pylint: disable=g-import-not-at-top
+  done, ahead = [], []
+  x = jnp.ones((256, 256)) / 256
+
+  def slow_step(state, batch, rng):
+    y = jnp.sum(jnp.linalg.matrix_power(x @ x.T, 30))
+    jax.debug.callback(lambda s: done.append(int(s)), state.step + 1 + 0 * y.astype(
+        jnp.int32))
+    return state.replace(step=state.step + 1), {"loss": y, "ce_loss": y}
+
+  step_fn = jax.jit(slow_step)
+  def data():
+    for i in range(1, 100):
+      ahead.append(i - 1 - len(done))  # steps dispatched but not finished
+      yield {}
+  batches = data()
+  recorder = _Recorder()
+  loop = trainer._Loop(lambda s: (step_fn, lambda p: {"ce_loss": 0.0, "accuracy": 0.0},
+                                  batches), lambda b: b, recorder, recorder,
+                       lambda *_: None, None, tokens_per_batch=1)
+  loop.run(TrainState(jnp.zeros((), jnp.int32), {}, ()), train_steps=20,
+           eval_every=1000, log_every=1000)
+  assert max(ahead) <= 2, ahead
+
+
+def test_tokens_per_sec_is_none_not_nan_when_no_step_ran_and_uses_short_runs():
+  lines = []
+  loop, _ = _counting_loop(lambda i: None, lines)
+  state = TrainState(jnp.full((), 5, jnp.int32), {}, ())
+  summary = loop.run(state, train_steps=5, eval_every=1000, log_every=10)
+  assert summary["tokens_per_sec"] is None
+  loop, _ = _counting_loop(lambda i: None, lines)  # one window, with the compile
+  summary = loop.run(TrainState(jnp.zeros((), jnp.int32), {}, ()), train_steps=3,
+                     eval_every=1000, log_every=10)
+  assert summary["tokens_per_sec"] > 0
+
+
+def test_losses_are_named_as_in_the_metrics_file():
+  loop, recorder = _counting_loop(lambda i: None, [])
+  summary = loop.run(TrainState(jnp.zeros((), jnp.int32), {}, ()), train_steps=2,
+                     eval_every=1000, log_every=1)
+  # `loss` (what the progress line prints) includes the auxiliary losses; `ce_loss`
+  # is the cross-entropy alone, like the evaluation's.
+  assert summary["last_train_loss"] == 2.0 and summary["last_train_ce_loss"] == 1.5
+  assert summary["first_eval_ce_loss"] == summary["last_eval_ce_loss"] == 3.0

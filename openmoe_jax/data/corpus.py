@@ -23,6 +23,7 @@ import json
 import os
 import pathlib
 import shutil
+import sys
 import sysconfig
 import tempfile
 from typing import Iterator
@@ -156,6 +157,11 @@ def _write(folder: pathlib.Path) -> None:
         f.write("\n")
 
 
+def announce(message: str) -> None:
+  """Prints a one-time build message (stderr: stdout may carry a program's output)."""
+  print(message, file=sys.stderr, flush=True)
+
+
 def ensure_corpus() -> pathlib.Path:
   """Builds the corpus if missing and returns its folder.
 
@@ -168,6 +174,8 @@ def ensure_corpus() -> pathlib.Path:
   with build_lock("corpus"):
     if final.is_dir():
       return final
+    announce(f"Building the embedded corpus in {final} (first use only; later runs "
+             "reuse it) ...")
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=".corpus_tmp_", dir=final.parent))
     try:
       _write(tmp)

@@ -99,6 +99,9 @@ def vocab_model_path(vocab_size: int = DEFAULT_VOCAB_SIZE) -> str:
   with corpus.build_lock("vocab"):
     if not path.exists():
       path.parent.mkdir(parents=True, exist_ok=True)
+      corpus.ensure_corpus()  # its own message first, if it is built now
+      corpus.announce(f"Training the {vocab_size}-piece SentencePiece vocabulary on the "
+                      f"embedded corpus (first use only; later runs reuse it) ...")
       proto = _train(vocab_size)
       fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
       with os.fdopen(fd, "wb") as f:
