@@ -19,11 +19,12 @@ import math
 import os
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import gin
 
 from openmoe_jax import gin_utils
+from openmoe_jax.cli import flags
 from openmoe_jax.trainer import train
 from openmoe_jax.upcycle import upcycle
 
@@ -92,11 +93,11 @@ def run_arm(arm: str, steps: int, output: str, run_gin: str,
   train_metrics = summary.get("last_train_metrics", {})
   return ArmResult(
       arm=arm, steps=summary["final_step"], first_val_loss=summary["first_eval_loss"],
-      val_loss=summary["last_eval_loss"], train_loss=summary.get("last_train_loss",
+      val_loss=summary["last_eval_loss"], train_loss=summary.get("last_train_ce_loss",
                                                                  math.nan),
       drop_fraction=train_metrics.get("moe/drop_fraction"),
       expert_load_cv=train_metrics.get("moe/expert_load_cv"),
-      tokens_per_sec=summary["tokens_per_sec"], seconds=seconds, note=note)
+      tokens_per_sec=summary["tokens_per_sec"] or math.nan, seconds=seconds, note=note)
 
 
 def run_arms(arms: Sequence[str], steps: int, output: str, run_gin: str,
@@ -144,36 +145,82 @@ def format_table(results: Sequence[ArmResult]) -> str:
   return "\n".join(lines)
 
 
-USAGE = ("usage: openmoe-ablate [--arms=a,b,...] [--steps=N] [--output=DIR] "
-         "[--run_gin=FILE] [--gin.NAME=VALUE ...] [--json] [--list]")
+WARMUP = "adamw_warmup_cosine.warmup_steps"
+
+
+def short_run_bindings(run_gin: str, steps: int, bindings: Sequence[str] = ()
+                       ) -> Tuple[List[str], Optional[str]]:
+  """Returns (bindings, note): when the run file's warmup is not shorter than
+  `steps`, the bindings gain a warmup of max(1, steps // 10) and the note says so;
+  otherwise `bindings` unchanged and None."""
+  gin.clear_config()
+  gin_utils.import_configurables()
+  gin_utils.parse_gin([run_gin], [f"TRAIN_STEPS = {steps}", *bindings],
+                      finalize=False)
+  try:
+    warmup = gin.query_parameter(WARMUP)
+  except ValueError:  # the run file uses another optimizer
+    return list(bindings), None
+  if not isinstance(warmup, int) or warmup < steps:
+    return list(bindings), None
+  short = max(1, steps // 10)
+  if short >= steps:
+    raise ValueError(f"--steps={steps} is too short: train at least 2 steps")
+  note = (f"--steps={steps} is not longer than the warmup of {run_gin} ({warmup} "
+          f"steps): warming up for {short} step(s) instead ({WARMUP}={short})")
+  return [*bindings, f"{WARMUP} = {short}"], note
+
+
+PROGRAM = flags.Program(
+    "openmoe-ablate",
+    "Train OpenMoE 2 ablation arms (gin files under gin/experiments/openmoe2/) with "
+    "the same run file, steps and seed, one MODEL_DIR each under --output, and print "
+    "one table row per arm: validation loss at the start and the end, drop fraction, "
+    "expert-load CV and tokens/s. The `upcycled` arm is upcycled from the `dense` "
+    "arm's final checkpoint (trained first if not asked for).",
+    ["openmoe-ablate --steps=100",
+     "openmoe-ablate --arms=tc_softmax,ec_batch --steps=10 --output=/tmp/abl",
+     "openmoe-ablate --list"],
+    gin=True,
+    details="The arms pick the models: give training settings with --run_gin and "
+    "overrides with --gin.NAME=VALUE\n(no --gin_file). A warmup as long as --steps is "
+    "shortened to steps // 10 (said in the output).")
+PROGRAM.add("--arms", default=None, metavar="A,B,...",
+            help="comma-separated arms (default: all; see --list)")
+PROGRAM.add("--steps", type=int, default=100, help="training steps per arm")
+PROGRAM.add("--output", default="/tmp/openmoe_ablate", metavar="DIR",
+            help="one MODEL_DIR per arm is created under it")
+PROGRAM.add("--run_gin", default="runs/ablate_tiny.gin", metavar="FILE",
+            help="run file with the training settings shared by the arms")
+PROGRAM.add("--json", action="store_true",
+            help="print one JSON object per arm (progress goes to stderr)")
+PROGRAM.add("--list", action="store_true", help="list the arms and exit")
+
+
+def _run(args, gin_flags: flags.GinFlags) -> int:
+  if gin_flags.files:
+    raise flags.UsageError("openmoe-ablate takes no --gin_file: the arms pick the "
+                           "models; use --run_gin and --gin.NAME=VALUE")
+  gin_utils.import_configurables()
+  if args.list:
+    print("\n".join(available_arms()))
+    return 0
+  arms = args.arms.split(",") if args.arms else available_arms()
+  log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else print
+  emit = (lambda r: print(json.dumps(dataclasses.asdict(r)), flush=True)) if args.json \
+      else (lambda r: None)
+  bindings, note = short_run_bindings(args.run_gin, args.steps, gin_flags.bindings)
+  if note:
+    log(note)
+  results = run_arms(arms, args.steps, args.output, args.run_gin, bindings, log, emit)
+  if not args.json:
+    print("\n" + format_table(results))
+  return 0
 
 
 def main(argv=None) -> int:
-  """CLI entry point."""
-  argv = list(sys.argv[1:] if argv is None else argv)
-  files, bindings, _, other = gin_utils.parse_flags(argv)
-  flags = {a for a in other if a in ("--json", "--list")}
-  opts = dict(a[2:].split("=", 1) for a in other
-              if a.startswith("--") and "=" in a)
-  if files or set(opts) - {"arms", "steps", "output", "run_gin"} or (
-      len(opts) + len(flags) != len(other)):
-    raise SystemExit(USAGE + "\n(the arms pick the models; use --run_gin for training "
-                     "settings and --gin.NAME=VALUE for overrides)")
-  gin_utils.import_configurables()
-  if "--list" in flags:
-    print("\n".join(available_arms()))
-    return 0
-  arms = opts["arms"].split(",") if "arms" in opts else available_arms()
-  as_json = "--json" in flags
-  log = (lambda line: print(line, file=sys.stderr, flush=True)) if as_json else print
-  emit = (lambda r: print(json.dumps(dataclasses.asdict(r)), flush=True)) if as_json \
-      else (lambda r: None)
-  results = run_arms(arms, int(opts.get("steps", 100)),
-                     opts.get("output", "/tmp/openmoe_ablate"),
-                     opts.get("run_gin", "runs/ablate_tiny.gin"), bindings, log, emit)
-  if not as_json:
-    print("\n" + format_table(results))
-  return 0
+  """CLI entry point; returns the exit code (0, or 2 on bad input)."""
+  return PROGRAM.main(_run, argv)
 
 
 if __name__ == "__main__":

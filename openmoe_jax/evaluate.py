@@ -5,7 +5,6 @@ only) and its perplexity, with the run's own objective at the evaluation capacit
 Masked-diffusion runs: the perplexity upper bound from the ELBO, estimated with
 `--num_samples` Monte Carlo draws per batch (fixed seeds) and its standard error.
 """
-import argparse
 import json
 import math
 import sys
@@ -13,6 +12,7 @@ from typing import Any, Dict
 
 import jax
 
+from openmoe_jax.cli import flags
 from openmoe_jax.model import Decoder
 from openmoe_jax.objectives import CausalLm, MaskedDiffusion, diffusion_elbo
 
@@ -37,17 +37,26 @@ def evaluate_diffusion(model: Decoder, params: Any, batches, objective: MaskedDi
           "num_samples": num_samples}
 
 
-def main(argv=None) -> int:
-  """CLI: prints one JSON object with the run's validation metrics."""
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--model_dir", required=True)
-  parser.add_argument("--task", help="mixture or task (default: the run's own)")
-  parser.add_argument("--split", default="validation")
-  parser.add_argument("--num_batches", type=int, default=8)
-  parser.add_argument("--num_samples", type=int, default=16, help="diffusion: ELBO draws")
-  parser.add_argument("--step", type=int, help="checkpoint step (default: latest)")
-  parser.add_argument("--seed", type=int, default=0)
-  args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+PROGRAM = flags.Program(
+    "openmoe-eval",
+    "Evaluate a trained run (a training MODEL_DIR or a params export) on a split of "
+    "its task and print one JSON object: cross-entropy and perplexity for causal LM "
+    "and UL2 runs, the ELBO perplexity bound (with its standard error) for "
+    "masked-diffusion runs.",
+    ["openmoe-eval --model_dir=/tmp/openmoe_quickstart",
+     "openmoe-eval --model_dir=/tmp/openmoe_quickstart --task=local_code "
+     "--num_batches=16"])
+PROGRAM.add("--model_dir", required=True, help="training MODEL_DIR or params export")
+PROGRAM.add("--task", help="mixture or task (default: the run's own)")
+PROGRAM.add("--split", default="validation")
+PROGRAM.add("--num_batches", type=int, default=8)
+PROGRAM.add("--num_samples", type=int, default=16, help="diffusion: ELBO draws")
+PROGRAM.add("--step", type=int, help="checkpoint step (default: latest)")
+PROGRAM.add("--seed", type=int, default=0)
+
+
+def _run(args, gin_flags) -> int:
+  del gin_flags
   from openmoe_jax import run_loader, trainer  # pylint: disable=g-import-not-at-top
   from openmoe_jax.data import pipeline  # pylint: disable=g-import-not-at-top
   run = run_loader.load_run(args.model_dir)
@@ -70,6 +79,12 @@ def main(argv=None) -> int:
   result.update(step=step, task=task, objective=type(objective).__name__)
   print(json.dumps(result, sort_keys=True))
   return 0
+
+
+def main(argv=None) -> int:
+  """CLI: prints one JSON object with the run's validation metrics; returns the exit
+  code (0, or 2 on bad input)."""
+  return PROGRAM.main(_run, argv)
 
 
 if __name__ == "__main__":

@@ -180,7 +180,12 @@ def _gin_search_paths(paths: Sequence[str]):
 
 def search_paths(extra: Sequence[str] = ()) -> list[str]:
   """Returns the directories gin files are looked up in, in order: the current
-  directory, `extra`, then the library's gin folder."""
+  directory, `extra`, then the library's gin folder. Raises GinConfigError naming
+  an `extra` folder that does not exist (a typo would otherwise go unnoticed)."""
+  missing = [p for p in extra if not os.path.isdir(p)]
+  if missing:
+    raise GinConfigError("--gin_search_paths: no such folder: "
+                         + ", ".join(repr(p) for p in missing))
   paths = [os.getcwd()] + [os.path.abspath(p) for p in extra]
   installed = gin_config_dir()
   if installed:

@@ -119,7 +119,14 @@ def adamw_warmup_cosine(peak_lr: float = 3e-4,
                         eps: float = 1e-8,
                         ) -> optax.GradientTransformation:
   """Returns AdamW (see `_adamw`) with `warmup_cosine_schedule(peak_lr, warmup_steps,
-  total_steps, end_lr_ratio)`."""
+  total_steps, end_lr_ratio)`. Raises ValueError naming the bindings to change when
+  total_steps <= warmup_steps."""
+  if total_steps <= warmup_steps:
+    raise ValueError(
+        f"adamw_warmup_cosine.total_steps ({total_steps}; the run files bind it to "
+        f"TRAIN_STEPS) must exceed adamw_warmup_cosine.warmup_steps ({warmup_steps}): "
+        f"train at least {warmup_steps + 1} steps or lower the warmup, e.g. "
+        f"--gin.adamw_warmup_cosine.warmup_steps={max(1, total_steps // 10)}")
   return _adamw(warmup_cosine_schedule(peak_lr, warmup_steps, total_steps, end_lr_ratio),
                 b1, b2, weight_decay, clip_norm, eps)
 

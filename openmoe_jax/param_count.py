@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from openmoe_jax import gin_utils
+from openmoe_jax.cli import flags
 from openmoe_jax.config import ModelConfig
 from openmoe_jax.model import Decoder
 
@@ -52,20 +53,36 @@ def format_counts(name: str, counts: Dict[str, int]) -> str:
           f"{b(counts['embedding'])}, routed experts {b(counts['experts'])}")
 
 
-def main(argv=None) -> int:
-  """CLI: parses gin flags, prints the model's parameter counts."""
-  argv = list(sys.argv[1:] if argv is None else argv)
-  files, bindings, paths, other = gin_utils.parse_flags(argv)
-  if other or not files:
-    raise SystemExit("usage: openmoe-params --gin_file=models/NAME.gin "
-                     "[--gin.NAME=VALUE ...]")
+PROGRAM = flags.Program(
+    "openmoe-params",
+    "Print the total and activated parameter counts of a gin-configured model "
+    "without allocating it (jax.eval_shape). Activated: what one token touches, "
+    "every non-expert parameter plus top_k of the E experts of each MoE layer.",
+    ["openmoe-params --gin_file=models/openmoe_8b_32e.gin",
+     "openmoe-params --gin_file=models/quickstart_moe.gin "
+     "--gin.ModelConfig.vocab_size=8192"],
+    gin=True)
+
+
+def _run(args, gin_flags: flags.GinFlags) -> int:
+  del args
+  if not gin_flags.files:
+    raise flags.UsageError("--gin_file is required: the model to count")
   gin_utils.import_configurables()
-  gin_utils.parse_gin(files, bindings, paths, finalize=False)
+  gin_utils.parse_gin(gin_flags.files, gin_flags.bindings, gin_flags.search_paths,
+                      finalize=False)
   cfg = ModelConfig()
   if cfg.vocab_size is None:
-    raise SystemExit("the model's vocab_size is unset: add --gin.ModelConfig.vocab_size=N")
-  print(format_counts(", ".join(files), count_params(cfg)))
+    raise flags.UsageError("the model's vocab_size is unset: add "
+                           "--gin.ModelConfig.vocab_size=N")
+  print(format_counts(", ".join(gin_flags.files), count_params(cfg)))
   return 0
+
+
+def main(argv=None) -> int:
+  """CLI: parses gin flags, prints the model's parameter counts; returns the exit
+  code (0, or 2 on bad input)."""
+  return PROGRAM.main(_run, argv)
 
 
 if __name__ == "__main__":

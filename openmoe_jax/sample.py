@@ -6,7 +6,6 @@ picks by the run's objective. Autoregressive decoding keeps a KV cache (one pref
 of the prompt, then one token per step); `kv_cache=False` re-reads the whole buffer
 each step instead (the plain reference). Routing: see `serving_config`.
 """
-import argparse
 import functools
 import sys
 from typing import Any, Optional
@@ -16,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from openmoe_jax.cli import flags
 from openmoe_jax.config import ModelConfig
 from openmoe_jax.model import Decoder
 from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter
@@ -139,22 +139,31 @@ def _sample_with_cache(model, params, prompt, max_new_tokens, temperature, top_p
   return np.asarray(out, np.int32)
 
 
-def main(argv=None) -> int:
-  """CLI: prints the continuation of --prompt sampled from --model_dir."""
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--model_dir", required=True)
-  parser.add_argument("--prompt", default="")
-  parser.add_argument("--mode", choices=["auto", "ar", "diffusion"], default="auto")
-  parser.add_argument("--step", type=int, help="checkpoint step (default: latest)")
-  parser.add_argument("--max_new_tokens", type=int, default=64)
-  parser.add_argument("--temperature", type=float, default=0.0)
-  parser.add_argument("--top_p", type=float, default=1.0)
-  parser.add_argument("--steps", type=int, default=32, help="diffusion: denoising steps")
-  parser.add_argument("--block_length", type=int, help="diffusion: semi-AR block length")
-  parser.add_argument("--remasking", choices=["low_confidence", "random"],
-                      default="low_confidence")
-  parser.add_argument("--seed", type=int, default=0)
-  args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+PROGRAM = flags.Program(
+    "openmoe-sample",
+    "Print the continuation of --prompt sampled from a trained run (a training "
+    "MODEL_DIR or a params export): autoregressive decoding with a KV cache (greedy, "
+    "temperature, top-p) for causal LM and UL2 runs, iterative unmasking for "
+    "masked-diffusion runs (--mode=auto picks by the run's objective).",
+    ["openmoe-sample --model_dir=/tmp/openmoe_quickstart --prompt='def main('",
+     "openmoe-sample --model_dir=/tmp/run --prompt='The ' --temperature=0.8 "
+     "--top_p=0.9 --max_new_tokens=128"])
+PROGRAM.add("--model_dir", required=True, help="training MODEL_DIR or params export")
+PROGRAM.add("--prompt", default="")
+PROGRAM.add("--mode", choices=["auto", "ar", "diffusion"], default="auto")
+PROGRAM.add("--step", type=int, help="checkpoint step (default: latest)")
+PROGRAM.add("--max_new_tokens", type=int, default=64)
+PROGRAM.add("--temperature", type=float, default=0.0, help="0: greedy")
+PROGRAM.add("--top_p", type=float, default=1.0)
+PROGRAM.add("--steps", type=int, default=32, help="diffusion: denoising steps")
+PROGRAM.add("--block_length", type=int, help="diffusion: semi-AR block length")
+PROGRAM.add("--remasking", choices=["low_confidence", "random"],
+            default="low_confidence")
+PROGRAM.add("--seed", type=int, default=0)
+
+
+def _run(args, gin_flags) -> int:
+  del gin_flags
   from openmoe_jax import run_loader  # pylint: disable=g-import-not-at-top
   from openmoe_jax.data import pipeline  # pylint: disable=g-import-not-at-top
   run = run_loader.load_run(args.model_dir)
@@ -185,6 +194,12 @@ def main(argv=None) -> int:
     new_ids = new_ids[:new_ids.index(vocab.eos_id)]
   print(args.prompt + vocab.decode(new_ids))
   return 0
+
+
+def main(argv=None) -> int:
+  """CLI: prints the continuation of --prompt sampled from --model_dir; returns the
+  exit code (0, or 2 on bad input)."""
+  return PROGRAM.main(_run, argv)
 
 
 if __name__ == "__main__":

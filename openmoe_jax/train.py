@@ -6,36 +6,70 @@ installed gin/ folder), `--gin.NAME=VALUE` overrides (macros MODEL_DIR, TRAIN_ST
 BATCH_SIZE, SEQUENCE_LENGTH, MIXTURE_OR_TASK_NAME), `--gin_search_paths=a,b`.
 The loop itself is in trainer.py, so running this file as __main__ registers no
 configurable twice.
+
+Exit codes: 0 trained to TRAIN_STEPS, or stopped by SIGTERM after a checkpoint
+(preemption: relaunch the same command); 130 stopped by Ctrl-C after a checkpoint
+(the same command resumes); 2 bad flags or gin configuration. A second Ctrl-C kills
+the process at once (no checkpoint of the steps since the last one).
 """
+import math
 import sys
 from typing import Any, Dict
 
 from openmoe_jax import gin_utils
+from openmoe_jax.cli import flags
 from openmoe_jax.trainer import train
+
+# Summary keys in print order; the losses are named as in metrics.jsonl:
+# `ce_loss` the cross-entropy, `loss` the cross-entropy plus the auxiliary losses.
+SUMMARY_KEYS = ("first_eval_ce_loss", "last_eval_ce_loss", "last_train_loss",
+                "last_train_ce_loss", "tokens_per_sec", "final_step")
+
+PROGRAM = flags.Program(
+    "openmoe-train",
+    "Train (or resume) a Mixture-of-Experts decoder configured by gin files. "
+    "MODEL_DIR receives checkpoints, metrics.jsonl, TensorBoard events and the "
+    "operative config.gin; relaunching the same command resumes from the newest "
+    "checkpoint.",
+    ["openmoe-train --gin_file=runs/quickstart.gin",
+     "openmoe-train --gin_file=runs/quickstart.gin --gin.MODEL_DIR=/tmp/q "
+     "--gin.TRAIN_STEPS=30"],
+    gin=True,
+    details="Ctrl-C or SIGTERM: the step in flight finishes, a checkpoint is "
+    "written, and the program exits\n(130 after Ctrl-C, 0 after SIGTERM); press "
+    "Ctrl-C twice to abort at once without one.\nExit codes: 0 done, 2 bad flags "
+    "or configuration, 130 interrupted (resumable).")
 
 
 def print_run_summary(summary: Dict[str, Any]) -> None:
-  """Prints the end-of-run summary (first/last validation loss, tokens/s)."""
+  """Prints the end-of-run summary (validation and training losses, tokens/s)."""
   print("\n=== openmoe_jax run summary ===")
-  for key in ("first_eval_loss", "last_eval_loss", "last_train_loss",
-              "tokens_per_sec", "final_step"):
-    if key in summary:
-      value = summary[key]
-      print(f"{key:>16}: {value:.4f}" if isinstance(value, float) else
-            f"{key:>16}: {value}")
+  for key in SUMMARY_KEYS:
+    if key not in summary:
+      continue
+    value = summary[key]
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+      value = "n/a (no training step ran)" if key == "tokens_per_sec" else "n/a"
+    print(f"{key:>18}: {value:.4f}" if isinstance(value, float) else
+          f"{key:>18}: {value}")
 
 
-def main(argv=None) -> int:
-  """CLI entry point: parses gin flags, checks required bindings, trains."""
-  argv = list(sys.argv[1:] if argv is None else argv)
-  other = gin_utils.configure_from_argv(argv)
-  if other:
-    raise SystemExit(f"unknown arguments: {' '.join(other)} (use --gin_file= and "
-                     "--gin.NAME=VALUE)")
+def _run(args, gin_flags: flags.GinFlags) -> int:
+  del args
+  gin_utils.import_configurables()
+  gin_utils.parse_gin(gin_flags.files, gin_flags.bindings, gin_flags.search_paths)
   gin_utils.check_required(train)
   summary = train()
   print_run_summary(summary)
-  return 0
+  if summary.get("interrupted"):
+    return flags.EXIT_INTERRUPTED
+  return flags.EXIT_OK
+
+
+def main(argv=None) -> int:
+  """CLI entry point: parses gin flags, checks required bindings, trains; returns
+  the exit code (see the module docstring)."""
+  return PROGRAM.main(_run, argv)
 
 
 if __name__ == "__main__":

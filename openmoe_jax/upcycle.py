@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from openmoe_jax import gin_utils, partitioning
+from openmoe_jax.cli import flags
 from openmoe_jax.checkpoints import Checkpointer
 from openmoe_jax.config import ModelConfig
 from openmoe_jax.data import pipeline
@@ -141,24 +142,34 @@ def upcycle(dense_dir: str, output_dir: str, gin_files: List[str],
   return summary
 
 
-USAGE = ("usage: openmoe-upcycle --dense_checkpoint=DIR --output=DIR --gin_file=FILE "
-         "[--gin_file=...] [--gin.NAME=VALUE ...] [--step=N] [--seed=N]")
+PROGRAM = flags.Program(
+    "openmoe-upcycle",
+    "Sparse upcycling: turn a trained dense checkpoint into a step-0 MoE checkpoint "
+    "(each dense FFN becomes the experts of the MoE layer at the same depth; fresh "
+    "routers and optimizer state). The gin files describe the MoE run exactly as "
+    "openmoe-train is given them.",
+    ["openmoe-upcycle --dense_checkpoint=/tmp/dense --output=/tmp/moe "
+     "--gin_file=runs/ablate_tiny.gin --gin_file=experiments/openmoe2/upcycled.gin"],
+    gin=True)
+PROGRAM.add("--dense_checkpoint", required=True, metavar="DIR",
+            help="MODEL_DIR of the trained dense run")
+PROGRAM.add("--output", required=True, metavar="DIR",
+            help="MODEL_DIR to create for the MoE run")
+PROGRAM.add("--step", type=int, default=None, help="dense step (default: the newest)")
+PROGRAM.add("--seed", type=int, default=0, help="seed of the fresh routers")
+
+
+def _run(args, gin_flags: flags.GinFlags) -> int:
+  if not gin_flags.files:
+    raise flags.UsageError("--gin_file is required: the MoE run's gin files")
+  upcycle(args.dense_checkpoint, args.output, gin_flags.files, gin_flags.bindings,
+          step=args.step, seed=args.seed)
+  return 0
 
 
 def main(argv=None) -> int:
-  """CLI entry point."""
-  argv = list(sys.argv[1:] if argv is None else argv)
-  files, bindings, _, other = gin_utils.parse_flags(argv)
-  opts = dict(arg[2:].split("=", 1) for arg in other
-              if arg.startswith("--") and "=" in arg)
-  unknown = set(opts) - {"dense_checkpoint", "output", "step", "seed"}
-  if unknown or len(opts) != len(other) or not files or not {
-      "dense_checkpoint", "output"} <= set(opts):
-    raise SystemExit(USAGE)
-  upcycle(opts["dense_checkpoint"], opts["output"], files, bindings,
-          step=int(opts["step"]) if "step" in opts else None,
-          seed=int(opts.get("seed", 0)))
-  return 0
+  """CLI entry point; returns the exit code (0, or 2 on bad input)."""
+  return PROGRAM.main(_run, argv)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ import dataclasses
 import json
 import math
 
+import gin
 import pytest
 
 from openmoe_jax import ablate, gin_utils
@@ -22,13 +23,35 @@ def test_every_ablation_of_the_issue_has_an_arm(capsys):
   assert set(capsys.readouterr().out.split()) == EXPECTED_ARMS
 
 
-def test_bad_arguments():
+def test_bad_arguments(capsys):
   with pytest.raises(ValueError, match="unknown arms"):
     ablate.run_arms(["nope"], 2, "/tmp/unused", "runs/ablate_tiny.gin")
-  with pytest.raises(SystemExit, match="usage"):
-    ablate.main(["--gin_file=models/quickstart_moe.gin"])
-  with pytest.raises(SystemExit, match="usage"):
-    ablate.main(["--stepz=3"])
+  assert ablate.main(["--gin_file=models/quickstart_moe.gin"]) == 2
+  assert "--run_gin" in capsys.readouterr().err
+  assert ablate.main(["--stepz=3"]) == 2
+  assert "--stepz" in capsys.readouterr().err
+
+
+def test_short_runs_scale_the_warmup_down_and_say_so():
+  # runs/ablate_tiny.gin warms up for 10 steps: --steps=10 used to fail in the
+  # schedule ("total_steps (10) must exceed warmup_steps (10)").
+  bindings, note = ablate.short_run_bindings("runs/ablate_tiny.gin", 10, ["X = 1"])
+  assert bindings == ["X = 1", "adamw_warmup_cosine.warmup_steps = 1"]
+  assert "warming up for 1 step" in note
+  assert ablate.short_run_bindings("runs/ablate_tiny.gin", 11) == ([], None)
+  # The bindings build the optimizer the ablation then trains with.
+  gin.clear_config()
+  gin_utils.import_configurables()
+  gin_utils.parse_gin(["runs/ablate_tiny.gin"], ["TRAIN_STEPS = 10", *bindings],
+                      finalize=False)
+  from openmoe_jax.optim import adamw_warmup_cosine  # pylint: disable=g-import-not-at-top
+  adamw_warmup_cosine()
+
+
+def test_a_too_long_warmup_names_the_binding_and_the_minimum():
+  from openmoe_jax.optim import adamw_warmup_cosine  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match=r"at least 11 steps.*adamw_warmup_cosine\.warmup"):
+    adamw_warmup_cosine(warmup_steps=10, total_steps=10)
 
 
 def test_table_formatting():

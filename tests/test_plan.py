@@ -103,8 +103,7 @@ def test_cli_json(capsys):
   assert (report["topology"], report["num_chips"]) == ("v5e:2x2", 4)
   assert report["hbm_bytes_per_chip"] == 16 * 1024 ** 3  # v5e: 16 GiB HBM per chip
   assert report["analytic_flops"] == _tiny_analytic_flops(8)
-  with pytest.raises(SystemExit, match="usage"):
-    plan.main(["--gin_file=models/quickstart_moe.gin"])
+  assert plan.main(["--gin_file=models/quickstart_moe.gin"]) == 2  # no --topology
 
 
 def test_a_step_that_cannot_fit_is_reported_not_raised():
@@ -130,3 +129,14 @@ def test_openmoe_base_preset_compiles_for_small_topologies(topology):
   assert 0 < report["peak_bytes_per_device"] < report["hbm_bytes_per_device"]
   assert report["collectives"]["all-to-all"] >= 2
   print(f"{topology}: peak {report['peak_bytes_per_device'] / 2**30:.2f} GiB per device")
+
+
+@pytest.mark.parametrize("fits, code", [(True, 0), (False, plan.EXIT_DOES_NOT_FIT)])
+def test_exit_code_says_whether_the_step_fits(monkeypatch, capsys, fits, code):
+  report = {"topology": "v5e:2x2", "mesh": {"data": 4}, "batch_size": 8,
+            "sequence_length": 256, "fits": fits, "compiler_message": "over HBM"}
+  monkeypatch.setattr(plan, "plan", lambda *a, **k: report)
+  assert plan.main(["--gin_file=models/quickstart_moe.gin", "--topology=v5e:2x2",
+                    "--json"]) == code
+  assert json.loads(capsys.readouterr().out)["fits"] is fits
+  assert plan.EXIT_DOES_NOT_FIT not in (0, 1, 2)  # apart from success and errors

@@ -75,30 +75,39 @@ def test_cli_end_to_end_writes_checkpoints_metrics_and_events(tmp_path):
   rows = [json.loads(l) for l in open(model_dir / "metrics.jsonl")]
   assert any("eval/ce_loss" in r for r in rows)
   assert any("train/tokens_per_sec" in r and "moe/drop_fraction" in r for r in rows)
-  assert any("moe/layer_0/expert_load_cv" in r for r in rows)
+  # Model layer numbers, as in the analysis report: 2 layers, the MoE one is layer 1.
+  assert any("moe/layer_1/expert_load_cv" in r for r in rows)
+  assert not any("moe/layer_0/expert_load_cv" in r for r in rows)
   assert any("eval/moe/drop_fraction" in r for r in rows)
   assert glob.glob(str(model_dir / "events.out.tfevents.*"))
   assert os.path.exists(model_dir / "config.gin")
 
 
-def test_unknown_binding_fails_naming_it():
-  with pytest.raises(gin_utils.GinConfigError, match="d_modle"):
-    train_cli.main(["--gin_file=runs/quickstart.gin", "--gin.ModelConfig.d_modle=3"])
+def _error_line(capsys):
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("openmoe-train: error: "), err
+  return err[0]
 
 
-def test_missing_required_value_fails_naming_it():
-  with pytest.raises(gin_utils.GinConfigError, match="MODEL_DIR"):
-    train_cli.main(["--gin_file=runs/train_base.gin"])
+def test_unknown_binding_fails_naming_it(capsys):
+  assert train_cli.main(["--gin_file=runs/quickstart.gin",
+                         "--gin.ModelConfig.d_modle=3"]) == 2
+  assert "d_modle" in _error_line(capsys)
+
+
+def test_missing_required_value_fails_naming_it(capsys):
+  assert train_cli.main(["--gin_file=runs/train_base.gin"]) == 2
+  assert "MODEL_DIR" in _error_line(capsys)
   gin.clear_config()
-  with pytest.raises(gin_utils.GinConfigError, match="train.optimizer"):
-    train_cli.main(["--gin_file=runs/train_base.gin", "--gin.MODEL_DIR=/tmp/x",
-                    "--gin.MIXTURE_OR_TASK_NAME=local_mix", "--gin.TRAIN_STEPS=1",
-                    "--gin.BATCH_SIZE=1", "--gin.SEQUENCE_LENGTH=8"])
+  assert train_cli.main(["--gin_file=runs/train_base.gin", "--gin.MODEL_DIR=/tmp/x",
+                         "--gin.MIXTURE_OR_TASK_NAME=local_mix", "--gin.TRAIN_STEPS=1",
+                         "--gin.BATCH_SIZE=1", "--gin.SEQUENCE_LENGTH=8"]) == 2
+  assert "train.optimizer" in _error_line(capsys)
 
 
-def test_unknown_argument_is_rejected():
-  with pytest.raises(SystemExit, match="--steps"):
-    train_cli.main(["--gin_file=runs/quickstart.gin", "--steps=3"])
+def test_unknown_argument_is_rejected(capsys):
+  assert train_cli.main(["--gin_file=runs/quickstart.gin", "--steps=3"]) == 2
+  assert "--steps" in _error_line(capsys)
 
 
 def _cli_args(model_dir, steps):
@@ -110,29 +119,61 @@ def _cli_args(model_dir, steps):
       f"--gin.{b.replace(' ', '')}" for b in TINY_BINDINGS]
 
 
-@pytest.mark.slow
-def test_sigterm_checkpoints_exits_cleanly_and_relaunch_resumes(tmp_path):
+def _rows_by_kind(model_dir):
+  """Returns ({step: count} of train rows, {step: count} of eval rows)."""
+  train_rows, eval_rows = {}, {}
+  for line in open(model_dir / "metrics.jsonl"):
+    row = json.loads(line)
+    counts = train_rows if "train/loss" in row else eval_rows
+    counts[row["step"]] = counts.get(row["step"], 0) + 1
+  return train_rows, eval_rows
+
+
+def _interrupt_and_resume(tmp_path, signum, expected_code, expected_line):
+  """Stops a run with `signum` after its first progress line, checks the exit, the
+  checkpoint, then resumes it (with a stale metrics row past the checkpoint) for two
+  more steps and checks the metrics file holds one row per step."""
   model_dir = tmp_path / "run"
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
   proc = subprocess.Popen(_cli_args(model_dir, 1000), stdout=subprocess.PIPE,
-                          stderr=subprocess.DEVNULL, text=True, env=env, cwd=str(tmp_path))
+                          stderr=subprocess.PIPE, text=True, env=env, cwd=str(tmp_path))
   output = []
   for line in proc.stdout:
     output.append(line)
     if line.startswith("step") and "/1000" in line:
-      proc.send_signal(signal.SIGTERM)
+      proc.send_signal(signum)
       break
   output += proc.stdout.readlines()
-  assert proc.wait(timeout=300) == 0, "".join(output)[-3000:]
+  stderr = proc.stderr.read()
+  assert proc.wait(timeout=300) == expected_code, "".join(output)[-3000:] + stderr
   text = "".join(output)
-  assert "SIGTERM: stopped after step" in text
+  assert expected_line in text and "Run the same command again" in text, text
+  assert "Traceback" not in stderr + text
   saved = int(sorted(os.listdir(model_dir / "checkpoints"), key=int)[-1])
   assert 1 <= saved < 1000
-  relaunch = subprocess.run(_cli_args(model_dir, saved + 1), capture_output=True,
+  assert f"stopped after step {saved};" in text
+  train_rows, _ = _rows_by_kind(model_dir)
+  assert max(train_rows) == saved  # the partial log window is written too
+  with open(model_dir / "metrics.jsonl", "a") as f:  # as if a step ran after it
+    f.write(json.dumps({"step": saved + 1, "train/loss": 1.0}) + "\n")
+  relaunch = subprocess.run(_cli_args(model_dir, saved + 2), capture_output=True,
                             text=True, env=env, cwd=str(tmp_path), timeout=300)
   assert relaunch.returncode == 0, relaunch.stderr[-3000:]
   assert f"Resumed from step {saved}" in relaunch.stdout
-  assert "final_step: " + str(saved + 1) in relaunch.stdout
+  assert "final_step: " + str(saved + 2) in relaunch.stdout
+  train_rows, eval_rows = _rows_by_kind(model_dir)
+  assert train_rows == {step: 1 for step in range(1, saved + 3)}, train_rows
+  assert eval_rows == {0: 1, saved + 2: 1}, eval_rows
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_exits_cleanly_and_relaunch_resumes(tmp_path):
+  _interrupt_and_resume(tmp_path, signal.SIGTERM, 0, "SIGTERM: stopped after step")
+
+
+@pytest.mark.slow
+def test_ctrl_c_checkpoints_exits_130_and_relaunch_resumes(tmp_path):
+  _interrupt_and_resume(tmp_path, signal.SIGINT, 130, "Ctrl-C: stopped after step")
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ import numpy as np
 from openmoe_jax.analysis import analyses, plots
 from openmoe_jax.analysis.record import RoutingRecord, make_routing_fn, record_routing
 from openmoe_jax.analysis.report import write_report
+from openmoe_jax.cli import flags
 
 
 def _bool(text: str) -> bool:
@@ -29,31 +30,41 @@ def _bool(text: str) -> bool:
   raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+PROGRAM = flags.Program(
+    "openmoe-analyze",
+    "Record a trained run's routing on evaluation data and write the routing report "
+    "(the OpenMoE paper's findings: token-ID specialization, drop towards the end, "
+    "early routing learning, domain load): report.md with plots, report.json with "
+    "every number, and records/step_<n>.npz to rerun the analyses without the model "
+    "(--from_records). Layers are named by their model layer number (0-based), as "
+    "in the training metrics.",
+    ["openmoe-analyze --model_dir=/tmp/openmoe_quickstart --output=/tmp/analysis",
+     "openmoe-analyze --from_records=/tmp/analysis/records --output=/tmp/again"])
+PROGRAM.add("--model_dir", help="training MODEL_DIR (config.gin + checkpoints/)")
+PROGRAM.add("--output", required=True, help="folder for the report")
+PROGRAM.add("--checkpoints", default="all",
+            help="'all', 'latest' or comma-separated steps; the last one is analysed "
+                 "in full, all of them feed the early-routing curve")
+PROGRAM.add("--tasks", default="local_code,local_text",
+            help="comma-separated seqio tasks (validation split)")
+PROGRAM.add("--num_batches", type=int, default=16, help="batches per task")
+PROGRAM.add("--batch_size", type=int, default=None, help="default: the run's")
+PROGRAM.add("--sequence_length", type=int, default=None, help="default: the run's")
+PROGRAM.add("--pack", type=_bool, default=True,
+            help="pack documents into rows as in training (default true)")
+PROGRAM.add("--split", default="validation")
+PROGRAM.add("--num_buckets", type=int, default=8, help="position buckets for drops")
+PROGRAM.add("--min_count", type=int, default=5,
+            help="a token id counts as frequent from this many occurrences")
+PROGRAM.add("--from_records", default=None,
+            help="reuse records/step_*.npz from this folder instead of the model")
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-  """Returns the parsed command line."""
-  p = argparse.ArgumentParser(prog="openmoe-analyze", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--model_dir", help="training MODEL_DIR (config.gin + checkpoints/)")
-  p.add_argument("--output", required=True, help="folder for the report")
-  p.add_argument("--checkpoints", default="all",
-                 help="'all', 'latest' or comma-separated steps; the last one is analysed "
-                      "in full, all of them feed the early-routing curve")
-  p.add_argument("--tasks", default="local_code,local_text",
-                 help="comma-separated seqio tasks (validation split)")
-  p.add_argument("--num_batches", type=int, default=16, help="batches per task")
-  p.add_argument("--batch_size", type=int, default=None, help="default: the run's")
-  p.add_argument("--sequence_length", type=int, default=None, help="default: the run's")
-  p.add_argument("--pack", type=_bool, default=True,
-                 help="pack documents into rows as in training (default true)")
-  p.add_argument("--split", default="validation")
-  p.add_argument("--num_buckets", type=int, default=8, help="position buckets for drops")
-  p.add_argument("--min_count", type=int, default=5,
-                 help="a token id counts as frequent from this many occurrences")
-  p.add_argument("--from_records", default=None,
-                 help="reuse records/step_*.npz from this folder instead of the model")
-  args = p.parse_args(list(argv))
+  """Returns the parsed command line; raises flags.UsageError on bad input."""
+  args, _ = PROGRAM.parse(list(argv))
   if not args.model_dir and not args.from_records:
-    p.error("give --model_dir (or --from_records)")
+    raise flags.UsageError("give --model_dir (or --from_records)")
   return args
 
 
@@ -65,7 +76,7 @@ def _select_steps(available: List[int], spec: str) -> List[int]:
   wanted = sorted({int(s) for s in spec.split(",") if s.strip()})
   missing = [s for s in wanted if s not in available]
   if missing:
-    raise SystemExit(f"checkpoints {missing} not found; available: {available}")
+    raise flags.UsageError(f"checkpoints {missing} not found; available: {available}")
   return wanted
 
 
@@ -143,15 +154,20 @@ def analyze_records(records: List[RoutingRecord], output: str, meta: Dict,
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """CLI entry point; returns the exit status."""
-  args = parse_args(sys.argv[1:] if argv is None else argv)
+  """CLI entry point; returns the exit status (0, or 2 on bad input)."""
+  return PROGRAM.main(lambda args, _: _run(args), argv)
+
+
+def _run(args: argparse.Namespace) -> int:
+  if not args.model_dir and not args.from_records:
+    raise flags.UsageError("give --model_dir (or --from_records)")
   t0 = time.perf_counter()
   say = lambda msg: print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", flush=True)
   if args.from_records:
     paths = sorted(glob.glob(os.path.join(args.from_records, "step_*.npz")),
                    key=lambda p: int(os.path.basename(p)[5:-4]))
     if not paths:
-      raise SystemExit(f"no step_*.npz in {args.from_records}")
+      raise FileNotFoundError(f"no step_*.npz in {args.from_records}")
     records = [RoutingRecord.load(p) for p in paths]
     if args.model_dir:  # the run's vocabulary settings, for decoding token ids
       from openmoe_jax.run_loader import load_run  # pylint: disable=g-import-not-at-top

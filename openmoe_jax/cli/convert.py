@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from openmoe_jax import gin_utils, run_loader
+from openmoe_jax.cli import flags
 from openmoe_jax.config import ModelConfig
 from openmoe_jax.convert import hf_io, hf_native, params_export, registry
 from openmoe_jax.convert.layout import ConversionError
@@ -30,23 +31,26 @@ from openmoe_jax.data import pipeline
 from openmoe_jax.model import Decoder
 from openmoe_jax.trainer import build_model_config
 
-EXAMPLES = """examples:
-  openmoe-convert from-t5x --checkpoint=/ckpt/openmoe_base/checkpoint_500000 \\
-      --gin_file=models/openmoe_base_16e.gin --output=/tmp/openmoe_base
-  openmoe-convert to-hf --model_dir=/tmp/openmoe_quickstart --layout=openmoe --output=/tmp/hf
-  openmoe-convert params --model_dir=/tmp/openmoe_quickstart --output=/tmp/export --dtype=bfloat16
+EXAMPLES_LIST = [
+    "openmoe-convert from-t5x --checkpoint=/ckpt/openmoe_base/checkpoint_500000 "
+    "--gin_file=models/openmoe_base_16e.gin --output=/tmp/openmoe_base",
+    "openmoe-convert to-hf --model_dir=/tmp/openmoe_quickstart --layout=openmoe "
+    "--output=/tmp/hf",
+    "openmoe-convert params --model_dir=/tmp/openmoe_quickstart --output=/tmp/export "
+    "--dtype=bfloat16",
+]
 
-gin flags (from-t5x, from-hf): --gin_file=FILE (repeatable), --gin.NAME=VALUE,
---gin_search_paths=DIR,... ; the gin files describe the model exactly as for
-openmoe-train (a run gin that names the task also carries the vocabulary)."""
 
-
-def _parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(
-      prog="openmoe-convert", description="Convert checkpoints into and out of "
-      "openmoe_jax: t5x (OpenMoE's released JAX weights) and Hugging Face in; Hugging "
-      "Face and params-only Orbax exports out.", epilog=EXAMPLES,
-      formatter_class=argparse.RawDescriptionHelpFormatter)
+def _program() -> flags.Program:
+  program = flags.Program(
+      "openmoe-convert", "Convert checkpoints into and out of openmoe_jax: t5x "
+      "(OpenMoE's released JAX weights) and Hugging Face in; Hugging Face and "
+      "params-only Orbax exports out. `openmoe-convert COMMAND --help` shows a "
+      "command's flags.", EXAMPLES_LIST, gin=True,
+      details="gin flags apply to from-t5x and from-hf: the gin files describe the "
+      "model exactly as for openmoe-train\n(a run gin that names the task also "
+      "carries the vocabulary).")
+  parser = program.parser
   sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
   t5x = sub.add_parser("from-t5x", help="t5x checkpoint -> params export",
                        description="Read a t5x checkpoint folder (checkpoint_<step>/ or "
@@ -78,7 +82,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="training MODEL_DIR or params export")
     p.add_argument("--output", required=True, help="folder to create")
     p.add_argument("--step", type=int, default=None, help="default: the newest")
-  return parser
+  for p in sub.choices.values():
+    p.add_argument("--verbose", action="store_true", help=argparse.SUPPRESS)
+  return program
 
 
 def _model_from_gin(files: Sequence[str], bindings: Sequence[str], paths: Sequence[str]
@@ -166,8 +172,13 @@ def _params(args, say) -> None:
 def run(argv: Sequence[str], say: Callable[[str], None] = print) -> None:
   """Runs one openmoe-convert command; raises ConversionError/GinConfigError/
   FileNotFoundError with a one-line message on bad input (nothing written)."""
-  files, bindings, paths, other = gin_utils.parse_flags(argv)
-  args = _parser().parse_args(other)
+  args, gin_flags = _program().parse(argv)
+  _execute(args, gin_flags, say)
+
+
+def _execute(args, gin_flags: flags.GinFlags, say: Callable[[str], None]) -> int:
+  """Runs the parsed command; returns 0."""
+  files, bindings, paths = gin_flags.files, gin_flags.bindings, gin_flags.search_paths
   start = time.time()
   if args.command == "from-t5x":
     _import(T5xCheckpoint(args.checkpoint), registry.T5X, args, files, bindings, paths,
@@ -182,17 +193,12 @@ def run(argv: Sequence[str], say: Callable[[str], None] = print) -> None:
   else:
     _params(args, say)
   say(f"Done in {time.time() - start:.1f} s")
+  return 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-  """Console entry point: returns 0, or exits 2 with one error line."""
-  try:
-    run(sys.argv[1:] if argv is None else argv)
-  except (ConversionError, gin_utils.GinConfigError, FileNotFoundError,
-          FileExistsError) as e:
-    print(f"openmoe-convert: error: {e}", file=sys.stderr)
-    return 2
-  return 0
+  """Console entry point: returns 0, or 2 after one error line on bad input."""
+  return _program().main(lambda args, gin_flags: _execute(args, gin_flags, print), argv)
 
 
 if __name__ == "__main__":
