@@ -27,3 +27,21 @@ def test_tiny_run_lowers_validation_loss(tmp_path, gin_files, task):
       f"MODEL_DIR = '{tmp_path}'", f"MIXTURE_OR_TASK_NAME = '{task}'"])
   summary = train(print_fn=lambda *_: None)
   assert summary["last_eval_loss"] < summary["first_eval_loss"] - 0.5, summary
+
+
+def test_per_layer_moe_metrics_use_model_layer_numbers():
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from openmoe_jax.config import ModelConfig  # pylint: disable=g-import-not-at-top
+  from openmoe_jax.model import Decoder  # pylint: disable=g-import-not-at-top
+  from openmoe_jax.objectives.common import moe_layer_numbers, moe_metrics  # pylint: disable=g-import-not-at-top
+  cfg = ModelConfig(vocab_size=64, num_layers=4, sparse_interval=2)
+  numbers = moe_layer_numbers(Decoder(cfg))
+  assert numbers == [1, 3]  # what the analysis report calls them
+  aux = {"aux_loss": 0.0, "lb_loss": 0.0, "z_loss": 0.0,
+         "drop_fraction": jnp.array([0.1, 0.2]),
+         "drop_fraction_last_quarter": jnp.array([0.3, 0.4]),
+         "router_entropy": jnp.array([1.0, 1.0]),
+         "expert_load": jnp.ones((2, 4))}
+  metrics = moe_metrics(aux, numbers)
+  assert float(metrics["moe/layer_3/drop_fraction"]) == pytest.approx(0.2)
+  assert not any(k.startswith("moe/layer_0/") for k in metrics)

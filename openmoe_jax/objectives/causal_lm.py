@@ -6,7 +6,8 @@ import flax.linen as nn
 import gin
 import jax
 
-from openmoe_jax.objectives.common import moe_metrics, weighted_cross_entropy
+from openmoe_jax.objectives.common import (moe_layer_numbers, moe_metrics,
+                                           weighted_cross_entropy)
 
 
 @gin.configurable
@@ -33,6 +34,6 @@ class CausalLm:
         logits_btv, batch["decoder_target_tokens"], batch["decoder_loss_weights"],
         self.z_loss)
     loss = lm_loss + aux["aux_loss"]
-    metrics.update(moe_metrics(aux))
+    metrics.update(moe_metrics(aux, moe_layer_numbers(model)))
     metrics["loss"] = loss
     return loss, metrics

@@ -1,5 +1,5 @@
 """Pieces every objective shares: weighted cross-entropy and MoE metric summaries."""
-from typing import Dict, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -27,9 +27,23 @@ def weighted_cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array,
   return ce + z_loss * zl, metrics
 
 
-def moe_metrics(aux: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
+def moe_layer_numbers(model) -> Optional[List[int]]:
+  """Returns the model layer numbers (0-based) of `model`'s MoE layers, in order,
+  or None when the model carries no ModelConfig."""
+  cfg = getattr(model, "config", None)
+  if cfg is None or not hasattr(cfg, "sparse_layers"):
+    return None
+  return [i for i, sparse in enumerate(cfg.sparse_layers()) if sparse]
+
+
+def moe_metrics(aux: Dict[str, jax.Array], layer_numbers: Optional[Sequence[int]] = None
+                ) -> Dict[str, jax.Array]:
   """Returns scalar MoE metrics: router losses, mean and per-layer drop fraction,
-  router entropy and expert-load coefficient of variation."""
+  router entropy and expert-load coefficient of variation.
+
+  Per-layer metrics are named `moe/layer_<n>/...` with n the model layer number from
+  `layer_numbers` (the analysis report uses the same numbers); without it, n counts
+  the MoE layers."""
   metrics = {"moe/aux_loss": aux["aux_loss"], "moe/lb_loss": aux["lb_loss"],
              "moe/z_loss": aux["z_loss"]}
   if "drop_fraction" not in aux:
@@ -47,9 +61,12 @@ def moe_metrics(aux: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
     metrics["moe/experts_per_token_mean"] = jnp.mean(aux["experts_per_token_mean"])
     metrics["moe/experts_per_token_min"] = jnp.min(aux["experts_per_token_min"])
     metrics["moe/experts_per_token_max"] = jnp.max(aux["experts_per_token_max"])
-  for i in range(load_le.shape[0]):
-    metrics[f"moe/layer_{i}/drop_fraction"] = aux["drop_fraction"][i]
-    metrics[f"moe/layer_{i}/drop_fraction_last_quarter"] = (
+  numbers = list(layer_numbers or range(load_le.shape[0]))
+  if len(numbers) != load_le.shape[0]:
+    raise ValueError(f"{len(numbers)} layer numbers for {load_le.shape[0]} MoE layers")
+  for i, n in enumerate(numbers):
+    metrics[f"moe/layer_{n}/drop_fraction"] = aux["drop_fraction"][i]
+    metrics[f"moe/layer_{n}/drop_fraction_last_quarter"] = (
         aux["drop_fraction_last_quarter"][i])
-    metrics[f"moe/layer_{i}/expert_load_cv"] = cv_l[i]
+    metrics[f"moe/layer_{n}/expert_load_cv"] = cv_l[i]
   return metrics

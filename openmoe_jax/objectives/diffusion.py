@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from openmoe_jax.objectives.common import moe_metrics
+from openmoe_jax.objectives.common import moe_layer_numbers, moe_metrics
 
 WEIGHTINGS = ("mdlm", "llada_eval")
 # Removed names -> what to use. "llada" weighted Bernoulli(t) masks by L / realised
@@ -235,7 +235,7 @@ class MaskedDiffusion:
                "accuracy": masked_accuracy, "masked_accuracy": masked_accuracy,
                "mask_fraction": jnp.sum(masked_f) / jnp.maximum(num_tokens, 1.0),
                "mean_t": jnp.mean(c.t_b), "num_tokens": num_tokens}
-    metrics.update(moe_metrics(aux))
+    metrics.update(moe_metrics(aux, moe_layer_numbers(model)))
     return loss, metrics
 
 
