@@ -60,7 +60,8 @@ def test_gin_errors_are_one_line(capsys):
 def test_a_missing_search_path_is_an_error(capsys, tmp_path):
   from openmoe_jax import train  # pylint: disable=g-import-not-at-top
   missing = str(tmp_path / "nope")
-  assert train.main(["--gin_file=runs/quickstart.gin",
+  # (An unknown gin file too, so that a broken check fails fast, not by training.)
+  assert train.main(["--gin_file=no_such.gin",
                      f"--gin_search_paths={missing}"]) == flags.EXIT_USAGE
   assert "no such folder" in capsys.readouterr().err
 
