@@ -78,6 +78,8 @@ def test_late_drop_fraction_and_sown_routing_match_a_direct_count():
   assert float(aux["drop_fraction"]) == pytest.approx(1 - kept_btk.mean())
   assert float(aux["drop_fraction_last_quarter"]) == pytest.approx(
       1 - kept_btk[:, 12:].mean())
+  assert float(aux["drop_fraction_first_quarter"]) == pytest.approx(
+      1 - kept_btk[:, :4].mean())
   gates = np.asarray(routing["gates"])
   assert np.all(gates[~kept_btk] == 0) and np.all(gates[kept_btk] > 0)
 

@@ -120,15 +120,19 @@ def routing_stats(routing: Routing, probs_gse: jax.Array) -> Dict[str, jax.Array
 def token_stats(routing: Routing, probs_gse: jax.Array, dropped_gsj: jax.Array,
                 sequence_length: int) -> Dict[str, jax.Array]:
   """Returns `routing_stats` with drop_fraction taken from `dropped_gsj` (what the
-  router counts as dropped), plus drop_fraction_last_quarter (last quarter of each
-  sequence), no_expert_fraction (tokens served by no expert) and
+  router counts as dropped), plus drop_fraction_first_quarter and
+  drop_fraction_last_quarter (first / last quarter of the positions of each
+  sequence: compare them to see drops pile up late, e.g. between token-choice
+  priorities), no_expert_fraction (tokens served by no expert) and
   experts_per_token_{mean,min,max}."""
   stats = routing_stats(routing, probs_gse)
   dropped = dropped_gsj.astype(jnp.float32)
   t = sequence_length
+  quarter = max(t // 4, 1)
+  dropped_btj = dropped.reshape(-1, t, dropped.shape[-1])
   stats["drop_fraction"] = jnp.mean(dropped)
-  stats["drop_fraction_last_quarter"] = jnp.mean(
-      dropped.reshape(-1, t, dropped.shape[-1])[:, t - max(t // 4, 1):])
+  stats["drop_fraction_first_quarter"] = jnp.mean(dropped_btj[:, :quarter])
+  stats["drop_fraction_last_quarter"] = jnp.mean(dropped_btj[:, t - quarter:])
   count_gs = jnp.sum(routing.kept.astype(jnp.float32), axis=-1)
   stats["no_expert_fraction"] = jnp.mean((count_gs == 0).astype(jnp.float32))
   stats["experts_per_token_mean"] = jnp.mean(count_gs)
