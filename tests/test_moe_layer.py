@@ -1,4 +1,4 @@
-"""The einsum MoE layer against the slow loop reference (moe/reference.py)."""
+"""The einsum MoE layer against the slow loop reference (tests/moe_reference.py)."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -7,9 +7,10 @@ import pytest
 
 from openmoe_jax.config import MoeConfig
 from openmoe_jax.moe.layer import MoeLayer, group_tokens
-from openmoe_jax.moe.reference import reference_mlp, reference_moe
 from openmoe_jax.moe.routers_expert_choice import ExpertChoiceRouter
 from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter
+
+from moe_reference import reference_mlp, reference_moe
 
 
 def _run(cfg, kind, train, b=2, t=16, d=8, d_ff=12, seed=0):

@@ -11,9 +11,10 @@ from openmoe_jax.config import MoeConfig
 from openmoe_jax.moe import gates as gates_lib
 from openmoe_jax.moe import losses
 from openmoe_jax.moe.dispatch import combine_weights, dispatch_mask
-from openmoe_jax.moe.reference import reference_gates, reference_token_choice
 from openmoe_jax.moe.routers import expert_capacity, routing_stats, top_k_capacity_routing
 from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter
+
+from moe_reference import reference_gates, reference_token_choice
 
 # 4 tokens, 3 experts. Choices (1st, 2nd): t0 (e0, e1), t1 (e0, e1), t2 (e1, e0),
 # t3 (e0, e2).
@@ -121,7 +122,7 @@ def test_router_z_loss_hand_computed():
   assert float(losses.router_z_loss(logits)) == pytest.approx(expected, rel=1e-6)
 
 
-# --- Router classes against the NumPy loop reference (moe/reference.py) -------------
+# --- Router classes against the NumPy loop reference (tests/moe_reference.py) -------------
 
 
 def _tied_logits(seed, g, s, num_experts):

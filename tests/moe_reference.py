@@ -1,4 +1,4 @@
-"""Slow, loop-by-loop MoE reference in float64 NumPy. Used by tests only.
+"""Test oracle: a slow, loop-by-loop MoE reference in float64 NumPy.
 
 Written to read like the papers, not like the vectorised code. Token choice (ST-MoE):
 route each group's tokens choice rank by choice rank, in sequence order, into experts
