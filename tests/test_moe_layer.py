@@ -116,6 +116,11 @@ LAYER_CASES = {
     "bpr_sigmoid_renorm_scaled": dict(router=TokenChoiceRouter(batch_prioritized=True),
                                       gate="sigmoid", renormalize_gates=True,
                                       routed_scaling_factor=2.0),
+    "position_major_top3": dict(top_k=3,
+                                router=TokenChoiceRouter(priority="position_major")),
+    # OpenMoE 2's token choice: cf x k x T / E buffers, renormalised top-k gates.
+    "capacity_per_choice_top3": dict(top_k=3, renormalize_gates=True,
+                                     router=TokenChoiceRouter(capacity_per_choice=True)),
     "expert_choice_batch": dict(router=ExpertChoiceRouter(), capacity_factor_train=1.0),
     "expert_choice_sequence_counts": dict(
         router=ExpertChoiceRouter(level="sequence",
@@ -137,6 +142,8 @@ def test_layer_with_router_options_matches_loop_reference(name):
   assert float(aux["drop_fraction"]) == pytest.approx(dropped)
   if name.startswith("dropless"):
     assert dropped == 0
+  elif name.endswith("top3"):
+    assert dropped > 0.1, "the case must overflow experts"
 
 
 def test_expert_choice_sown_routing_has_one_option_per_expert():
