@@ -1,4 +1,5 @@
-"""Decoder: masks, causality, packing, layer layout, scan and remat equivalence."""
+"""Decoder: masks, causality (routing included), packing, layer layout, scan and remat
+equivalence, router losses against NumPy."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -8,9 +9,12 @@ import pytest
 from openmoe_jax.config import ModelConfig, MoeConfig
 from openmoe_jax.layers.attention import make_attention_mask
 from openmoe_jax.model import Decoder, layer_segments, scan_unit_length
+from openmoe_jax.moe.routers import Router
 from openmoe_jax.moe.routers_expert_choice import ExpertChoiceRouter
 from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter
 from openmoe_jax.objectives import CausalLm
+
+from moe_reference import reference_expert_choice
 
 TINY = ModelConfig(vocab_size=64, d_model=16, num_heads=2, head_dim=8, d_ff=24,
                    num_layers=4, sparse_interval=2,
@@ -216,3 +220,86 @@ def test_layer_pattern_expert_choice_and_jitter_through_the_objective():
   assert np.isfinite(loss) and float(loss) != float(loss2)  # jitter differs per rng
   assert float(metrics["moe/tokenwise_lb_loss"]) > 0
   assert float(metrics["moe/experts_per_token_mean"]) == pytest.approx(2.0)
+
+
+# --- Router losses through the Decoder against NumPy ---------------------------------
+
+
+def _router_logits(cfg, params, tokens_bt):
+  """Returns (aux, [each MoE layer's router logits [g, s, E] as float64 numpy]).
+
+  `cfg` must have scan_layers=False: logits captured inside a scan cannot leave it.
+  """
+  def run(params, tokens_bt):
+    captured = []
+
+    def keep_router_output(next_fun, args, kwargs, context):
+      out = next_fun(*args, **kwargs)
+      if isinstance(context.module, Router) and context.method_name == "__call__":
+        captured.append(out)
+      return out
+    with nn.intercept_methods(keep_router_output):
+      _, aux = Decoder(cfg).apply(params, tokens_bt, train=True)
+    return aux, captured
+  aux, captured = jax.jit(run)(params, tokens_bt)
+  return aux, [np.asarray(l, np.float64) for l in captured]
+
+
+def _np_load_balancing(logits_gse, top_k):
+  """ST-MoE / flaxformer: E^2 x mean_e(share of tokens with e in their top-k x mean
+  prob of e), per group, averaged over groups."""
+  num_experts = logits_gse.shape[-1]
+  probs = np.exp(logits_gse - logits_gse.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  top_gsk = np.argsort(-probs, axis=-1, kind="stable")[..., :top_k]
+  chose_gse = (top_gsk[..., None] == np.arange(num_experts)).any(-2)
+  per_group = (chose_gse.mean(1) * probs.mean(1)).mean(-1) * num_experts ** 2
+  return per_group.mean()
+
+
+def _np_tokenwise(logits_use, top_k, capacity):
+  """OpenMoE 2's token-wise loss with expert-choice routing per unit (oracle)."""
+  units, t, num_experts = logits_use.shape
+  total = 0.0
+  for logits in logits_use:
+    scores = np.exp(logits - logits.max(-1, keepdims=True))
+    scores /= scores.sum(-1, keepdims=True)
+    kept, _ = reference_expert_choice(scores, capacity, t)
+    over_tokens = np.exp(logits - logits.max(0, keepdims=True))
+    over_tokens /= over_tokens.sum(0, keepdims=True)
+    total += np.sum(over_tokens.sum(-1) * kept.sum(-1))
+  return total / units / (num_experts * top_k)
+
+
+def _np_lse_squared(logits_gse):
+  peak = logits_gse.max(-1, keepdims=True)
+  lse = np.log(np.exp(logits_gse - peak).sum(-1)) + peak[..., 0]
+  return np.mean(lse ** 2)
+
+
+@pytest.mark.parametrize("router", ["token_choice", "expert_choice"])
+def test_decoder_router_losses_match_numpy(router):
+  """aux_loss = mean over MoE layers of lb x 0.01 + z x 1e-4 (+ token-wise x w)."""
+  t = 8
+  moe = TINY.moe.replace(group_size=t, min_capacity=1, router_init_std=1.0)
+  if router == "expert_choice":
+    moe = moe.replace(router=ExpertChoiceRouter(level="sequence"),
+                      capacity_factor_train=1.0, tokenwise_lb_loss_weight=0.03)
+  cfg = TINY.replace(num_layers=4, sparse_interval=2, scan_layers=False, moe=moe)
+  tokens = jax.random.randint(jax.random.PRNGKey(7), (3, t), 0, cfg.vocab_size)
+  aux, logits = _router_logits(cfg, _init(cfg, tokens), tokens)
+  assert len(logits) == 2 and logits[0].shape == (3, t, 4)  # 2 layers, 3 groups
+  z = np.mean([_np_lse_squared(l) for l in logits])
+  if router == "token_choice":
+    lb = np.mean([_np_load_balancing(l, cfg.moe.top_k) for l in logits])
+    tokenwise = 0.0
+  else:
+    lb = 0.0
+    capacity = min(max(round(1.0 * cfg.moe.top_k * t / 4), 1), t)
+    tokenwise = np.mean([_np_tokenwise(l, cfg.moe.top_k, capacity) for l in logits])
+  expected = 0.01 * lb + 1e-4 * z + cfg.moe.tokenwise_lb_loss_weight * tokenwise
+  assert float(aux["lb_loss"]) == pytest.approx(lb, rel=1e-5, abs=1e-7)
+  assert float(aux["z_loss"]) == pytest.approx(z, rel=1e-5)
+  assert float(aux["tokenwise_lb_loss"]) == pytest.approx(tokenwise, rel=1e-5, abs=1e-7)
+  assert float(aux["aux_loss"]) == pytest.approx(expected, rel=1e-5)
+  assert z > 1.0 and (lb > 1.0 or tokenwise > 0.5)  # every term is material
