@@ -1,4 +1,5 @@
-"""CausalLm: the loss against an independent NumPy computation (T5X semantics).
+"""CausalLm: the loss against an independent NumPy computation (T5X semantics), and
+its MoE drop metrics against the sown routing.
 
 T5X `compute_weighted_cross_entropy` with loss_normalizing_factor
 NUM_REAL_TARGET_TOKENS: sum over tokens of w x (CE + z x logsumexp^2), divided by
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from openmoe_jax.analysis.routing import flatten_routing
 from openmoe_jax.config import ModelConfig, MoeConfig
 from openmoe_jax.model import Decoder
 from openmoe_jax.objectives import CausalLm
@@ -65,3 +67,28 @@ def test_causal_lm_loss_matches_numpy(z_loss):
   empty = dict(batch, decoder_loss_weights=jnp.zeros((2, 8), jnp.float32))
   _, metrics = run(params, empty)
   assert float(metrics["ce_loss"]) == 0.0 and float(metrics["logits_z_loss"]) == 0.0
+
+
+def test_causal_lm_reports_drops_by_quarter_from_the_routing():
+  """moe/drop_fraction_{first,last}_quarter (mean and per layer) against a direct
+  count of the routing the MoE layers sow."""
+  cfg = CFG.replace(num_layers=4, moe=CFG.moe.replace(capacity_factor_train=0.5))
+  tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 16), 0, cfg.vocab_size)
+  batch = {"decoder_input_tokens": tokens, "decoder_target_tokens": tokens,
+           "decoder_loss_weights": jnp.ones((2, 16), jnp.float32)}
+  model = Decoder(cfg)
+  params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), tokens))
+  _, metrics = jax.jit(lambda p: CausalLm()(model, p["params"], batch,
+                                            jax.random.PRNGKey(0), train=True))(params)
+  _, state = jax.jit(lambda p: model.apply(p, tokens, train=True,
+                                           mutable=["intermediates"]))(params)
+  kept_lbtk = np.asarray(flatten_routing(state["intermediates"], cfg)["kept"])
+  assert kept_lbtk.shape == (2, 2, 16, 2)
+  for part, sl in (("first", slice(0, 4)), ("last", slice(12, 16))):
+    dropped_l = 1 - kept_lbtk[:, :, sl].mean(axis=(1, 2, 3))
+    assert float(metrics[f"moe/drop_fraction_{part}_quarter"]) == pytest.approx(
+        dropped_l.mean())
+    for l in range(2):
+      assert float(metrics[f"moe/layer_{l}/drop_fraction_{part}_quarter"]) == (
+          pytest.approx(dropped_l[l]))
+  assert 0 < float(metrics["moe/drop_fraction"]) < 1
