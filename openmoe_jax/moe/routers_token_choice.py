@@ -31,7 +31,9 @@ class TokenChoiceRouter:
     "position_major": tokens in sequence order, each token's choices in rank
     order; a token's service depends only on tokens before it in its group (the
     earlier rows of the group and the earlier positions of its own row): causal.
-    Both are the same for top_k = 1.
+    Both are the same for top_k = 1. Pair position_major with enough capacity
+    (`capacity_per_choice` or `dropless`): with ST-MoE capacity at top-2 the
+    buffers fill before the end of the group and late tokens lose every choice.
   - `batch_prioritized`: within a choice rank, tokens with a higher top-1 score are
     served first (BPR, V-MoE). WARNING: a token's service then depends on later
     tokens of the group, which breaks causality in a decoder (train/inference
