@@ -112,7 +112,8 @@ def test_priority_is_validated_and_refuses_batch_prioritized():
 
 
 def test_dropless_serves_every_choice_under_either_priority():
-  probs = jax.nn.softmax(_tied_logits(7, 2, 16, 4), axis=-1)
+  # Every token's 1st choice is e0: a full buffer of 16 in each group.
+  probs = jax.nn.softmax(_tied_logits(7, 2, 16, 4).at[..., 0].add(9.0), axis=-1)
   choice = top_k_capacity_routing(probs, 3, capacity=16)
   position = top_k_capacity_routing(probs, 3, capacity=16, priority="position_major")
   assert np.all(choice.kept) and np.all(position.kept)
