@@ -28,8 +28,9 @@ def weighted_cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array,
 
 
 def moe_metrics(aux: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
-  """Returns scalar MoE metrics: router losses, mean and per-layer drop fraction,
-  router entropy and expert-load coefficient of variation."""
+  """Returns scalar MoE metrics: router losses, mean and per-layer drop fraction
+  (overall, first and last quarter of positions), router entropy and expert-load
+  coefficient of variation."""
   metrics = {"moe/aux_loss": aux["aux_loss"], "moe/lb_loss": aux["lb_loss"],
              "moe/z_loss": aux["z_loss"]}
   if "drop_fraction" not in aux:
@@ -37,7 +38,9 @@ def moe_metrics(aux: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
   load_le = aux["expert_load"]
   cv_l = jnp.std(load_le, axis=-1) / jnp.maximum(jnp.mean(load_le, axis=-1), 1e-9)
   metrics["moe/drop_fraction"] = jnp.mean(aux["drop_fraction"])
-  metrics["moe/drop_fraction_last_quarter"] = jnp.mean(aux["drop_fraction_last_quarter"])
+  for part in ("first", "last"):
+    name = f"drop_fraction_{part}_quarter"
+    metrics[f"moe/{name}"] = jnp.mean(aux[name])
   metrics["moe/router_entropy"] = jnp.mean(aux["router_entropy"])
   metrics["moe/expert_load_cv"] = jnp.mean(cv_l)
   if "tokenwise_lb_loss" in aux:
@@ -49,7 +52,8 @@ def moe_metrics(aux: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
     metrics["moe/experts_per_token_max"] = jnp.max(aux["experts_per_token_max"])
   for i in range(load_le.shape[0]):
     metrics[f"moe/layer_{i}/drop_fraction"] = aux["drop_fraction"][i]
-    metrics[f"moe/layer_{i}/drop_fraction_last_quarter"] = (
-        aux["drop_fraction_last_quarter"][i])
+    for part in ("first", "last"):
+      name = f"drop_fraction_{part}_quarter"
+      metrics[f"moe/layer_{i}/{name}"] = aux[name][i]
     metrics[f"moe/layer_{i}/expert_load_cv"] = cv_l[i]
   return metrics
