@@ -37,23 +37,24 @@ def _packages(where, installed_as):
   return [installed_as] + [f"{installed_as}.{p}" for p in found]
 
 
-# Pinned at the versions the project is developed and tested with.
+# Compatible ranges; the exact versions CI tests with are in constraints.txt
+# (`pip install -e . -c constraints.txt`).
 INSTALL_REQUIRES = [
-    "jax==0.10.2",
-    "jaxlib==0.10.2",
-    "flax==0.12.8",
-    "optax==0.2.8",
-    "orbax-checkpoint==0.12.8",
-    "seqio==0.0.20",
-    "tensorflow==2.21.0",
-    "tensorflow-text==2.21.1",
-    "tensorboard==2.21.0",
-    "sentencepiece==0.2.3",
-    "gin-config==0.5.0",
-    "clu==0.0.12",
-    "numpy==2.4.6",
-    "matplotlib==3.11.2",
-    "safetensors==0.8.0",
+    "jax>=0.10.2,<0.11",
+    "jaxlib>=0.10.2,<0.11",
+    "flax>=0.12.8,<0.13",
+    "optax>=0.2.8,<0.3",
+    "orbax-checkpoint>=0.12.8,<0.13",
+    "seqio>=0.0.20",
+    "tensorflow>=2.21,<2.22",
+    "tensorflow-text>=2.21,<2.22",
+    "tensorboard>=2.21,<2.22",
+    "sentencepiece>=0.2.3,<0.3",
+    "gin-config>=0.5.0",
+    "clu>=0.0.12",
+    "numpy>=2.0,<3",
+    "matplotlib>=3.8",
+    "safetensors>=0.4",
 ]
 
 setuptools.setup(
@@ -77,9 +78,11 @@ setuptools.setup(
     install_requires=INSTALL_REQUIRES,
     extras_require={
         # libtpu (via jax[tpu]) lets tests compile for TPU topologies ahead of time.
-        "test": ["pytest==9.2.0", "pytest-timeout==2.4.0", "pytest-xdist==3.8.0",
-                 "jax[tpu]==0.10.2"],
-        "tpu": ["jax[tpu]==0.10.2"],
+        # torch and transformers: independent references for the Hugging Face
+        # converters' tests (CPU is enough; constraints.txt pins a CPU-only torch).
+        "test": ["pytest>=9.0", "pytest-timeout>=2.3", "pytest-xdist>=3.6",
+                 "jax[tpu]>=0.10.2,<0.11", "torch>=2.6", "transformers>=5.0,<6"],
+        "tpu": ["jax[tpu]>=0.10.2,<0.11"],
     },
     entry_points={
         "console_scripts": [

@@ -68,7 +68,7 @@ def install_commands(args) -> List[List[str]]:
     fetch = [_ssh(args, f"rm -rf {REMOTE_DIR}"),
              _tpu(args, "tpu-vm", "scp", "--recurse", args.source,
                   f"{args.name}:{REMOTE_DIR}") + ["--worker=all"]]
-  return fetch + [_ssh(args, f"cd {REMOTE_DIR} && python3 -m pip install -e '.[tpu]'")]
+  return fetch + [_ssh(args, f"cd {REMOTE_DIR} && python3 -m pip install -e '.[tpu]' -c constraints.txt")]
 
 
 def train_commands(args, train_args: Sequence[str]) -> List[List[str]]:

@@ -2,6 +2,10 @@
 
 The environment variables must be set before jax (or tensorflow) is first imported,
 which is why they sit at module level here.
+
+Test oracles (NumPy references, e.g. moe_reference.py) live in this folder and are
+imported as top-level modules (`from moe_reference import ...`): tests/ has no
+__init__.py, so pytest puts it on sys.path. They are not library code.
 """
 import os
 import pathlib

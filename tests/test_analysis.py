@@ -17,6 +17,7 @@ from openmoe_jax.analysis.record import (RoutingRecord, _check_token_choice,
 from openmoe_jax.analysis.routing import moe_layer_numbers
 from openmoe_jax.config import ModelConfig, MoeConfig
 from openmoe_jax.model import Decoder
+from openmoe_jax.moe.routers_expert_choice import ExpertChoiceRouter
 from openmoe_jax.trainer import train
 
 E = 8
@@ -98,6 +99,9 @@ def test_drop_rates_by_position_match_a_direct_count():
     late = (task_n == t) & (position_n >= 48)
     assert result["last_quarter_by_task"][task] == pytest.approx(
         1 - kept_lnk[:, late].mean())
+    early = (task_n == t) & (position_n < 16)
+    assert result["first_quarter_by_task"][task] == pytest.approx(
+        1 - kept_lnk[:, early].mean())
     assert result["by_task"][task][0] < result["by_task"][task][-1]
   for l, name in enumerate(("1", "3")):
     sel = position_n < 16
@@ -177,6 +181,21 @@ def test_recorder_agrees_with_the_model_routing_statistics(scan_layers):
   np.testing.assert_allclose(1 - rec.kept.mean(axis=(1, 2)), aux["drop_fraction"],
                              atol=1e-6)
   assert rec.token.shape == (b * t,) and rec.moe_layers == [3, 5]
+
+
+def test_analyze_priority_flag_reroutes_token_choice_only():
+  cfg = ModelConfig(moe=MoeConfig(num_experts=4))
+  assert cli.with_priority(cfg, None) is cfg
+  rerouted = cli.with_priority(cfg, "position_major")
+  assert rerouted.moe.router.priority == "position_major"
+  assert rerouted.moe.router.capacity_per_choice == cfg.moe.router.capacity_per_choice
+  assert cli.parse_args(["--model_dir=x", "--output=y", "--priority=position_major"]
+                        ).priority == "position_major"
+  with pytest.raises(SystemExit):
+    cli.parse_args(["--model_dir=x", "--output=y", "--priority=random"])
+  with pytest.raises(ValueError, match="token-choice"):
+    cli.with_priority(cfg.replace(moe=cfg.moe.replace(router=ExpertChoiceRouter())),
+                      "position_major")
 
 
 def test_recorder_refuses_expert_choice_routing():

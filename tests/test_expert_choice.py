@@ -8,9 +8,10 @@ from openmoe_jax.config import MoeConfig
 from openmoe_jax.moe import gates as gates_lib
 from openmoe_jax.moe import losses
 from openmoe_jax.moe.dispatch import dispatch_mask
-from openmoe_jax.moe.reference import reference_expert_choice
 from openmoe_jax.moe.routers_expert_choice import (ExpertChoiceRouter,
                                                    expert_choice_routing)
+
+from moe_reference import reference_expert_choice
 
 
 def _route(router, cfg, logits, sequence_length):

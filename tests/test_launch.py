@@ -44,7 +44,7 @@ def test_install_and_train_run_on_every_worker():
   assert [c[3:5] for c in commands] == [["tpu-vm", "ssh"], ["tpu-vm", "scp"],
                                         ["tpu-vm", "ssh"]]
   assert all("--worker=all" in c for c in commands)
-  assert "pip install -e '.[tpu]'" in commands[-1][-1]
+  assert "pip install -e '.[tpu]' -c constraints.txt" in commands[-1][-1]
   git = _dry_run("install", *BASE, "--source=https://example.com/openmoe_jax.git")
   assert "git clone https://example.com/openmoe_jax.git" in git[0][-1]
   [train] = _dry_run("train", *BASE, "--", "--gin_file=runs/quickstart.gin",

@@ -1,4 +1,4 @@
-"""The einsum MoE layer against the slow loop reference (moe/reference.py)."""
+"""The einsum MoE layer against the slow loop reference (tests/moe_reference.py)."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -7,9 +7,10 @@ import pytest
 
 from openmoe_jax.config import MoeConfig
 from openmoe_jax.moe.layer import MoeLayer, group_tokens
-from openmoe_jax.moe.reference import reference_mlp, reference_moe
 from openmoe_jax.moe.routers_expert_choice import ExpertChoiceRouter
 from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter
+
+from moe_reference import reference_mlp, reference_moe
 
 
 def _run(cfg, kind, train, b=2, t=16, d=8, d_ff=12, seed=0):
@@ -78,6 +79,8 @@ def test_late_drop_fraction_and_sown_routing_match_a_direct_count():
   assert float(aux["drop_fraction"]) == pytest.approx(1 - kept_btk.mean())
   assert float(aux["drop_fraction_last_quarter"]) == pytest.approx(
       1 - kept_btk[:, 12:].mean())
+  assert float(aux["drop_fraction_first_quarter"]) == pytest.approx(
+      1 - kept_btk[:, :4].mean())
   gates = np.asarray(routing["gates"])
   assert np.all(gates[~kept_btk] == 0) and np.all(gates[kept_btk] > 0)
 
@@ -113,6 +116,11 @@ LAYER_CASES = {
     "bpr_sigmoid_renorm_scaled": dict(router=TokenChoiceRouter(batch_prioritized=True),
                                       gate="sigmoid", renormalize_gates=True,
                                       routed_scaling_factor=2.0),
+    "position_major_top3": dict(top_k=3,
+                                router=TokenChoiceRouter(priority="position_major")),
+    # OpenMoE 2's token choice: cf x k x T / E buffers, renormalised top-k gates.
+    "capacity_per_choice_top3": dict(top_k=3, renormalize_gates=True,
+                                     router=TokenChoiceRouter(capacity_per_choice=True)),
     "expert_choice_batch": dict(router=ExpertChoiceRouter(), capacity_factor_train=1.0),
     "expert_choice_sequence_counts": dict(
         router=ExpertChoiceRouter(level="sequence",
@@ -134,6 +142,8 @@ def test_layer_with_router_options_matches_loop_reference(name):
   assert float(aux["drop_fraction"]) == pytest.approx(dropped)
   if name.startswith("dropless"):
     assert dropped == 0
+  elif name.endswith("top3"):
+    assert dropped > 0.1, "the case must overflow experts"
 
 
 def test_expert_choice_sown_routing_has_one_option_per_expert():

@@ -1,5 +1,6 @@
-"""Token-choice routing: hand-computed cases (ST-MoE / flaxformer priority), gate
-functions, and the router class against the NumPy loop reference."""
+"""Token-choice routing: hand-computed cases (ST-MoE / flaxformer priority and the
+causal position-major priority), gate functions, and the router class against the
+NumPy loop oracle (tests/moe_reference.py)."""
 import math
 
 import jax
@@ -11,9 +12,11 @@ from openmoe_jax.config import MoeConfig
 from openmoe_jax.moe import gates as gates_lib
 from openmoe_jax.moe import losses
 from openmoe_jax.moe.dispatch import combine_weights, dispatch_mask
-from openmoe_jax.moe.reference import reference_gates, reference_token_choice
 from openmoe_jax.moe.routers import expert_capacity, routing_stats, top_k_capacity_routing
 from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter
+
+from moe_reference import (reference_gates, reference_token_capacity,
+                           reference_token_choice)
 
 # 4 tokens, 3 experts. Choices (1st, 2nd): t0 (e0, e1), t1 (e0, e1), t2 (e1, e0),
 # t3 (e0, e2).
@@ -54,6 +57,69 @@ def test_first_choices_before_second_then_sequence_order():
   np.testing.assert_array_equal(routing.slot[0], [[0, 1], [1, 2], [0, 3], [2, 0]])
   np.testing.assert_array_equal(routing.kept[0],
                                 [[True, True], [True, False], [True, False], [False, True]])
+
+
+def test_position_major_serves_each_token_before_the_next():
+  routing = top_k_capacity_routing(jnp.asarray(PROBS), top_k=2, capacity=2,
+                                   priority="position_major")
+  # t0: e0#0, e1#0; t1: e0#1, e1#1; t2: e1 full, e0 full; t3: e0 full, e2#0.
+  np.testing.assert_array_equal(routing.slot[0], [[0, 0], [1, 1], [2, 2], [3, 0]])
+  np.testing.assert_array_equal(routing.kept[0],
+                                [[True, True], [True, True], [False, False], [False, True]])
+  np.testing.assert_allclose(routing.gates[0],
+                             [[0.6, 0.3], [0.5, 0.4], [0.0, 0.0], [0.0, 0.2]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+@pytest.mark.parametrize("capacity", [1, 2, 5])
+def test_position_major_routing_ignores_later_tokens(top_k, capacity):
+  """Causality at the router: replacing the scores of positions >= t leaves the
+  routing of positions < t unchanged, for every t. Choice-major routing breaks this
+  for top_k >= 2 (asserted on the same data)."""
+  s, num_experts = 16, 4
+  base_se = jax.nn.softmax(_tied_logits(10 + top_k, 1, s, num_experts)[0], axis=-1)
+  other_se = jax.nn.softmax(_tied_logits(20 + top_k, 1, s, num_experts)[0], axis=-1)
+  later_ts1 = (jnp.arange(s)[None, :] >= jnp.arange(s)[:, None])[..., None]
+  # Group t: the base scores with positions >= t replaced; group 0 is all `other`.
+  probs_gse = jnp.where(later_ts1, other_se[None], base_se[None])
+  earlier_ts = ~later_ts1[..., 0]
+  leaks = {}
+  for priority in ("position_major", "choice_major"):
+    route = jax.jit(lambda p: top_k_capacity_routing(p, top_k, capacity,
+                                                     priority=priority))
+    base, changed = route(base_se[None]), route(probs_gse)
+    same_ts = ((changed.kept == base.kept) & (changed.slot == base.slot)).all(-1)
+    leaks[priority] = int(np.sum(earlier_ts & ~np.asarray(same_ts)))
+    assert np.mean(~np.asarray(base.kept)) > 0, "the case must overflow experts"
+  assert leaks["position_major"] == 0
+  if top_k == 1:
+    assert leaks["choice_major"] == 0  # one choice per token: the orders coincide
+  else:
+    assert leaks["choice_major"] > 0, "choice-major routing should see later tokens"
+
+
+def test_priority_is_validated_and_refuses_batch_prioritized():
+  with pytest.raises(ValueError, match="priority"):
+    TokenChoiceRouter(priority="token_major")
+  with pytest.raises(ValueError, match="batch_prioritized"):
+    TokenChoiceRouter(batch_prioritized=True, priority="position_major")
+  with pytest.raises(ValueError, match="priority"):
+    top_k_capacity_routing(jnp.asarray(PROBS), 2, 2, priority="rank_major")
+  with pytest.raises(ValueError, match="batch_prioritized"):
+    top_k_capacity_routing(jnp.asarray(PROBS), 2, 2, batch_prioritized=True,
+                           priority="position_major")
+  assert TokenChoiceRouter().priority == "choice_major"  # flaxformer / OpenMoE
+
+
+def test_dropless_serves_every_choice_under_either_priority():
+  # Every token's 1st choice is e0: a full buffer of 16 in each group.
+  probs = jax.nn.softmax(_tied_logits(7, 2, 16, 4).at[..., 0].add(9.0), axis=-1)
+  choice = top_k_capacity_routing(probs, 3, capacity=16)
+  position = top_k_capacity_routing(probs, 3, capacity=16, priority="position_major")
+  assert np.all(choice.kept) and np.all(position.kept)
+  np.testing.assert_array_equal(choice.gates, position.gates)
+  for routing in (choice, position):  # distinct slots per expert
+    assert np.asarray(dispatch_mask(routing, 4)).sum(axis=1).max() == 1
 
 
 def test_combine_weights_are_router_probs_of_kept_choices():
@@ -121,7 +187,7 @@ def test_router_z_loss_hand_computed():
   assert float(losses.router_z_loss(logits)) == pytest.approx(expected, rel=1e-6)
 
 
-# --- Router classes against the NumPy loop reference (moe/reference.py) -------------
+# --- Router classes against the NumPy loop oracle (tests/moe_reference.py) ----------
 
 
 def _tied_logits(seed, g, s, num_experts):
@@ -130,14 +196,26 @@ def _tied_logits(seed, g, s, num_experts):
   return jnp.asarray(rng.integers(-2, 3, size=(g, s, num_experts)), jnp.float32)
 
 
-@pytest.mark.parametrize("router,gate,renormalize,scaling", [
-    (TokenChoiceRouter(), "softmax", False, 1.0),
-    (TokenChoiceRouter(), "sigmoid", True, 2.5),
-    (TokenChoiceRouter(dropless=True), "softmax", True, 1.0),
-    (TokenChoiceRouter(dropless=True), "sigmoid", False, 1.0),
-    (TokenChoiceRouter(batch_prioritized=True), "softmax", True, 1.0),
-    (TokenChoiceRouter(batch_prioritized=True), "sigmoid", False, 0.5),
-])
+ROUTER_CASES = {  # id: (router, gate, renormalize, scaling)
+    "st_moe": (TokenChoiceRouter(), "softmax", False, 1.0),
+    "st_moe_sigmoid": (TokenChoiceRouter(), "sigmoid", True, 2.5),
+    "dropless": (TokenChoiceRouter(dropless=True), "softmax", True, 1.0),
+    "dropless_sigmoid": (TokenChoiceRouter(dropless=True), "sigmoid", False, 1.0),
+    "bpr": (TokenChoiceRouter(batch_prioritized=True), "softmax", True, 1.0),
+    "bpr_sigmoid": (TokenChoiceRouter(batch_prioritized=True), "sigmoid", False, 0.5),
+    "position_major": (TokenChoiceRouter(priority="position_major"), "softmax", False,
+                       1.0),
+    "position_major_sigmoid": (TokenChoiceRouter(priority="position_major"), "sigmoid",
+                               True, 2.5),
+    "per_choice": (TokenChoiceRouter(capacity_per_choice=True), "softmax", True, 1.0),
+    "per_choice_position_major": (
+        TokenChoiceRouter(capacity_per_choice=True, priority="position_major"),
+        "sigmoid", False, 1.0),
+}
+
+
+@pytest.mark.parametrize("router,gate,renormalize,scaling",
+                         list(ROUTER_CASES.values()), ids=list(ROUTER_CASES))
 @pytest.mark.parametrize("top_k", [1, 3])
 def test_token_choice_router_matches_loop_reference(router, gate, renormalize, scaling,
                                                     top_k):
@@ -148,7 +226,7 @@ def test_token_choice_router_matches_loop_reference(router, gate, renormalize, s
   logits = _tied_logits(top_k, g, s, num_experts)
   gs = gates_lib.gate_scores(logits, num_experts, gate)
   routing, aux = jax.jit(lambda x: router(x, cfg, train=True, sequence_length=12))(gs)
-  capacity = s if router.dropless else expert_capacity(s, num_experts, 0.75, 1)
+  capacity = reference_token_capacity(cfg, s, train=True)
   assert routing.capacity == capacity
   dropped = 0
   for gi in range(g):
@@ -156,7 +234,7 @@ def test_token_choice_router_matches_loop_reference(router, gate, renormalize, s
     np.testing.assert_allclose(scores, gs.scores[gi], rtol=1e-6)
     expert, kept, gates = reference_token_choice(
         np.asarray(gs.scores[gi], np.float64), top_k, capacity, renormalize,
-        router.batch_prioritized, scaling)
+        router.batch_prioritized, scaling, router.priority)
     np.testing.assert_array_equal(routing.expert_index[gi], expert)
     np.testing.assert_array_equal(routing.kept[gi], kept)
     np.testing.assert_allclose(routing.gates[gi], gates, rtol=1e-6, atol=1e-7)

@@ -137,26 +137,29 @@ def drop_by_position(record: RoutingRecord, num_buckets: int = 8,
   Keys: `bucket_edges` (num_buckets + 1 positions), `by_task` {task: [rate per
   bucket]} (all MoE layers), `by_layer` {layer: [rate per bucket]} (all tasks),
   `by_task_layer` {task: {layer: [...]}}, `by_choice_rank` {"1": [...], ...} (all
-  tasks and layers), `overall_by_task` {task: rate} and `last_quarter_by_task`
-  (positions >= 3/4 of the sequence length).
+  tasks and layers), `overall_by_task` {task: rate}, `first_quarter_by_task`
+  (positions < 1/4 of the sequence length) and `last_quarter_by_task` (positions
+  >= 3/4). Compare records of the two token-choice priorities (`openmoe-analyze
+  --priority`) to see how much of the late drop the slot order causes.
   """
   edges = np.linspace(0, record.sequence_length, num_buckets + 1).round().astype(int)
   position_n = getattr(record, position_field)
   dropped_lnk = ~record.kept
   layers = [str(x) for x in record.moe_layers]
-  late_n = position_n >= 0.75 * record.sequence_length
+  quarters = {"first_quarter_by_task": position_n < 0.25 * record.sequence_length,
+              "last_quarter_by_task": position_n >= 0.75 * record.sequence_length}
   result = {"position_field": position_field, "bucket_edges": edges.tolist(),
             "by_task": {}, "by_layer": {}, "by_task_layer": {},
-            "overall_by_task": {}, "last_quarter_by_task": {}}
+            "overall_by_task": {}, **{key: {} for key in quarters}}
   # Per token: mean drop over layers and choices, so each token weighs the same.
   dropped_n = dropped_lnk.mean(axis=(0, 2))
   for t, task in enumerate(record.task_names):
     sel = record.task == t
     result["by_task"][task] = _bucket_rates(position_n[sel], dropped_n[sel], edges)
     result["overall_by_task"][task] = float(dropped_n[sel].mean()) if sel.any() else None
-    late = sel & late_n
-    result["last_quarter_by_task"][task] = (
-        float(dropped_n[late].mean()) if late.any() else None)
+    for key, part_n in quarters.items():
+      part = sel & part_n
+      result[key][task] = float(dropped_n[part].mean()) if part.any() else None
     result["by_task_layer"][task] = {
         name: _bucket_rates(position_n[sel], dropped_lnk[l, sel].mean(-1), edges)
         for l, name in enumerate(layers)}

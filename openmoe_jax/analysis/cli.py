@@ -1,12 +1,14 @@
 """`openmoe-analyze`: record a trained run's routing and write the routing report.
 
   openmoe-analyze --model_dir=/tmp/openmoe_quickstart --output=/tmp/analysis \
-      [--checkpoints=all|STEP,...] [--tasks=local_code,local_text] [--num_batches=16]
+      [--checkpoints=all|STEP,...] [--tasks=local_code,local_text] [--num_batches=16] \
+      [--priority=choice_major|position_major]
 
 Writes `report.md` (plots linked), `report.json` (every number), the PNGs and
 `records/step_<n>.npz` (rerun the analyses without the model: `--from_records=DIR`).
 """
 import argparse
+import dataclasses
 import glob
 import json
 import os
@@ -20,6 +22,7 @@ from openmoe_jax.analysis import analyses, plots
 from openmoe_jax.analysis.record import RoutingRecord, make_routing_fn, record_routing
 from openmoe_jax.analysis.report import write_report
 from openmoe_jax.cli import flags
+from openmoe_jax.moe.routers import PRIORITIES
 
 
 def _bool(text: str) -> bool:
@@ -58,6 +61,10 @@ PROGRAM.add("--min_count", type=int, default=5,
             help="a token id counts as frequent from this many occurrences")
 PROGRAM.add("--from_records", default=None,
             help="reuse records/step_*.npz from this folder instead of the model")
+PROGRAM.add("--priority", default=None, choices=PRIORITIES,
+            help="route the checkpoints with this token-choice priority instead "
+                 "of the run's (compare drop-by-position of the two orders on "
+                 "the same weights)")
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -80,6 +87,19 @@ def _select_steps(available: List[int], spec: str) -> List[int]:
   return wanted
 
 
+def with_priority(cfg, priority: Optional[str]):
+  """Returns `cfg` with its token-choice router's priority set to `priority`
+  (unchanged for None); ValueError for an expert-choice model."""
+  router = cfg.moe.router
+  if priority is None:
+    return cfg
+  if not hasattr(router, "priority"):
+    raise ValueError(f"--priority needs token-choice routing; the run uses "
+                     f"{type(router).__name__}")
+  router = dataclasses.replace(router, priority=priority)
+  return cfg.replace(moe=cfg.moe.replace(router=router))
+
+
 def record_checkpoints(args, say: Callable[[str], None]):
   """Returns (records ordered by step, meta dict) for the chosen checkpoints."""
   from openmoe_jax.run_loader import load_run, restore_params  # heavy imports
@@ -91,7 +111,11 @@ def record_checkpoints(args, say: Callable[[str], None]):
   steps = _select_steps(run.steps, args.checkpoints)
   say(f"model: {run.config.num_layers} layers, {run.config.moe.num_experts} experts; "
       f"checkpoints {steps}; tasks {tasks}; {args.num_batches} x {batch_size} x {seq_len}")
-  routing_fn = make_routing_fn(run.config, train=True)
+  config = with_priority(run.config, args.priority)
+  priority = getattr(config.moe.router, "priority", None)
+  if priority:
+    say(f"token-choice priority: {priority}")
+  routing_fn = make_routing_fn(config, train=True)
   os.makedirs(os.path.join(args.output, "records"), exist_ok=True)
   records = []
   for step in steps:
@@ -100,7 +124,7 @@ def record_checkpoints(args, say: Callable[[str], None]):
     batches = {task: pipeline.get_dataset(
         task, seq_len, batch_size, split=args.split, shuffle=False, repeat=False,
         pack=args.pack, num_batches=args.num_batches) for task in tasks}
-    rec = record_routing(run.config, params, batches, batch_size, step=step,
+    rec = record_routing(config, params, batches, batch_size, step=step,
                          routing_fn=routing_fn, progress=say)
     rec.save(os.path.join(args.output, "records", f"step_{step}.npz"))
     say(f"recorded step {step}: {rec.token.size} tokens, {rec.num_layers} MoE layers "
@@ -109,7 +133,7 @@ def record_checkpoints(args, say: Callable[[str], None]):
   meta = {"model_dir": os.path.abspath(args.model_dir), "tasks": tasks,
           "num_batches": args.num_batches, "batch_size": batch_size,
           "sequence_length": seq_len, "pack": args.pack,
-          "capacity_factor": run.config.moe.capacity_factor(True)}
+          "capacity_factor": config.moe.capacity_factor(True), "priority": priority}
   with open(os.path.join(args.output, "records", "meta.json"), "w") as f:
     json.dump(meta, f)
   return records, meta
@@ -176,7 +200,7 @@ def _run(args: argparse.Namespace) -> int:
     meta = {"model_dir": args.model_dir, "tasks": records[-1].task_names,
             "num_batches": None, "batch_size": None,
             "sequence_length": records[-1].sequence_length, "pack": None,
-            "capacity_factor": None}
+            "capacity_factor": None, "priority": None}
     if os.path.exists(meta_path):
       with open(meta_path) as f:
         meta.update(json.load(f))

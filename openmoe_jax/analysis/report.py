@@ -39,19 +39,23 @@ def _drops_md(drops: Dict) -> list:
   header = " | ".join(f"{edges[i]}-{edges[i + 1] - 1}" for i in range(len(edges) - 1))
   lines = ["## Drop towards the end", "",
            f"Dropped share of top-k choices by `{drops['position_field']}` bucket (the "
-           "capacity is filled in sequence order within a group).", "",
-           f"| | {header} | overall | last quarter |",
-           "|---" * (len(edges) + 2) + "|"]
+           "capacity is filled in sequence order within a group: all 1st choices "
+           "before any 2nd choice with the choice_major priority, token by token "
+           "with position_major).", "",
+           f"| | {header} | overall | first quarter | last quarter |",
+           "|---" * (len(edges) + 3) + "|"]
+  first = drops.get("first_quarter_by_task", {})
   for task, rates in drops["by_task"].items():
     lines.append(f"| {task} | " + " | ".join(_fmt(r) for r in rates)
                  + f" | {_fmt(drops['overall_by_task'][task])} | "
+                 f"{_fmt(first.get(task))} | "
                  f"{_fmt(drops['last_quarter_by_task'][task])} |")
   for layer, rates in drops["by_layer"].items():
     lines.append(f"| layer {layer} (all tasks) | " + " | ".join(_fmt(r) for r in rates)
-                 + " | | |")
+                 + " | | | |")
   for rank, rates in drops.get("by_choice_rank", {}).items():
     lines.append(f"| choice {rank} only (all tasks, layers) | "
-                 + " | ".join(_fmt(r) for r in rates) + " | | |")
+                 + " | ".join(_fmt(r) for r in rates) + " | | | |")
   return lines + ["", "![drops](drop_by_position.png)", ""]
 
 
@@ -89,7 +93,8 @@ def write_report(output_dir: str, results: Dict) -> Dict[str, str]:
            f"(up to {meta['num_batches']} batches of {meta['batch_size']} x "
            f"{meta['sequence_length']} per task, packed={meta['pack']}; rows with real "
            f"tokens per task: {meta.get('rows_per_task')}), "
-           f"training capacity factor {meta['capacity_factor']}.", ""]
+           f"training capacity factor {meta['capacity_factor']}, token-choice "
+           f"priority {meta.get('priority') or 'n/a'}.", ""]
   sections = (("specialization", _specialization_md), ("drops", _drops_md),
               ("stability", _stability_md), ("domain_load", _domain_md))
   for key, render in sections:

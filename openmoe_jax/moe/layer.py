@@ -34,7 +34,7 @@ class MoeLayer(nn.Module):
   The router is `config.router` (token choice or expert choice) and the dispatch
   engine `config.dispatcher` (einsum, sort or ragged), both chosen in gin.
   aux holds float32 scalars `lb_loss`, `z_loss`, `tokenwise_lb_loss`,
-  `drop_fraction`, `drop_fraction_last_quarter`, `router_entropy`,
+  `drop_fraction`, `drop_fraction_{first,last}_quarter`, `router_entropy`,
   `no_expert_fraction`, `experts_per_token_{mean,min,max}` and `expert_load` [E].
 
   Sown `intermediates/routing` (read with `apply(..., mutable=["intermediates"])`):

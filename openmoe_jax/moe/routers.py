@@ -33,18 +33,31 @@ def expert_capacity(tokens_per_group: int, num_experts: int, capacity_factor: fl
   return max(int(round(capacity_factor * tokens_per_group / num_experts)), min_capacity)
 
 
+PRIORITIES = ("choice_major", "position_major")
+
+
 def top_k_capacity_routing(probs_gse: jax.Array, top_k: int, capacity: int,
                            renormalize: bool = False,
-                           batch_prioritized: bool = False) -> Routing:
+                           batch_prioritized: bool = False,
+                           priority: str = "choice_major") -> Routing:
   """Returns ST-MoE token-choice routing with capacity.
 
-  Priority as in flaxformer: every token's 1st choice is served before any token's
-  2nd choice, and within one choice rank tokens are served in sequence order (or, with
-  `batch_prioritized`, in order of decreasing top-1 score, ties by position). A
-  choice whose expert is already full is dropped (its gate becomes 0). Gates are the
-  scores of the chosen experts, optionally renormalised over the top-k (before
-  dropping). `capacity >= s` serves every choice (dropless).
+  `priority` is the order in which choices claim buffer slots:
+
+  - "choice_major" (flaxformer, OpenMoE): every token's 1st choice is served before
+    any token's 2nd choice; within one choice rank tokens are served in sequence
+    order (or, with `batch_prioritized`, by decreasing top-1 score, ties by
+    position). With top_k >= 2 a later token's 1st choice can take the slot an
+    earlier token's 2nd choice needed: not causal.
+  - "position_major": tokens in sequence order, each token's choices in rank order,
+    so a token's service depends only on the tokens before it in its group: causal.
+    `batch_prioritized` contradicts it and is refused.
+
+  A choice whose expert is already full is dropped (its gate becomes 0). Gates are
+  the scores of the chosen experts, optionally renormalised over the top-k (before
+  dropping). `capacity >= s` serves every choice (dropless) under either priority.
   """
+  _check_priority(priority, batch_prioritized)
   g, s, num_experts = probs_gse.shape
   gates_gsk, expert_gsk = jax.lax.top_k(probs_gse.astype(jnp.float32), top_k)
   order_gs = None
@@ -53,13 +66,7 @@ def top_k_capacity_routing(probs_gse: jax.Array, top_k: int, capacity: int,
     expert_gsk = jnp.take_along_axis(expert_gsk, order_gs[..., None], axis=1)
   if renormalize:
     gates_gsk = gates_gsk / jnp.sum(gates_gsk, axis=-1, keepdims=True)
-  onehot_gkse = jax.nn.one_hot(jnp.swapaxes(expert_gsk, 1, 2), num_experts,
-                               dtype=jnp.int32)
-  # Cumulative count over (choice rank, position): rank-major priority order.
-  order_gne = onehot_gkse.reshape(g, top_k * s, num_experts)
-  position_gne = jnp.cumsum(order_gne, axis=1) - 1
-  slot_gks = jnp.sum(position_gne * order_gne, axis=-1).reshape(g, top_k, s)
-  slot_gsk = jnp.swapaxes(slot_gks, 1, 2).astype(jnp.int32)
+  slot_gsk = _slots(expert_gsk, num_experts, priority == "choice_major")
   if batch_prioritized:  # back to sequence order
     inverse_gs = jnp.argsort(order_gs, axis=1)
     expert_gsk = jnp.take_along_axis(expert_gsk, inverse_gs[..., None], axis=1)
@@ -68,6 +75,31 @@ def top_k_capacity_routing(probs_gse: jax.Array, top_k: int, capacity: int,
   return Routing(expert_index=expert_gsk.astype(jnp.int32), slot=slot_gsk,
                  kept=kept_gsk, gates=jnp.where(kept_gsk, gates_gsk, 0.0),
                  capacity=capacity)
+
+
+def _check_priority(priority: str, batch_prioritized: bool) -> None:
+  """Raises ValueError for an unknown priority or one that contradicts BPR."""
+  if priority not in PRIORITIES:
+    raise ValueError(f"token-choice priority={priority!r}; choose one of {PRIORITIES}")
+  if batch_prioritized and priority == "position_major":
+    raise ValueError("batch_prioritized=True serves tokens by score, not by position; "
+                     "it cannot be combined with priority='position_major' (use "
+                     "priority='choice_major' for BPR, or drop batch_prioritized)")
+
+
+def _slots(expert_gsk: jax.Array, num_experts: int, rank_first: bool) -> jax.Array:
+  """Returns each choice's int32 slot [g, s, k] in its expert's buffer: the number
+  of choices for that expert served before it, choice rank first or token first."""
+  g, s, k = expert_gsk.shape
+  if rank_first:
+    expert_gsk = jnp.swapaxes(expert_gsk, 1, 2)
+  onehot_gne = jax.nn.one_hot(expert_gsk, num_experts, dtype=jnp.int32).reshape(
+      g, s * k, num_experts)
+  before_gne = jnp.cumsum(onehot_gne, axis=1) - 1
+  slot_gn = jnp.sum(before_gne * onehot_gne, axis=-1)
+  if rank_first:
+    return jnp.swapaxes(slot_gn.reshape(g, k, s), 1, 2).astype(jnp.int32)
+  return slot_gn.reshape(g, s, k).astype(jnp.int32)
 
 
 def routing_stats(routing: Routing, probs_gse: jax.Array) -> Dict[str, jax.Array]:
@@ -88,15 +120,19 @@ def routing_stats(routing: Routing, probs_gse: jax.Array) -> Dict[str, jax.Array
 def token_stats(routing: Routing, probs_gse: jax.Array, dropped_gsj: jax.Array,
                 sequence_length: int) -> Dict[str, jax.Array]:
   """Returns `routing_stats` with drop_fraction taken from `dropped_gsj` (what the
-  router counts as dropped), plus drop_fraction_last_quarter (last quarter of each
-  sequence), no_expert_fraction (tokens served by no expert) and
+  router counts as dropped), plus drop_fraction_first_quarter and
+  drop_fraction_last_quarter (first / last quarter of the positions of each
+  sequence: compare them to see drops pile up late, e.g. between token-choice
+  priorities), no_expert_fraction (tokens served by no expert) and
   experts_per_token_{mean,min,max}."""
   stats = routing_stats(routing, probs_gse)
   dropped = dropped_gsj.astype(jnp.float32)
   t = sequence_length
+  quarter = max(t // 4, 1)
+  dropped_btj = dropped.reshape(-1, t, dropped.shape[-1])
   stats["drop_fraction"] = jnp.mean(dropped)
-  stats["drop_fraction_last_quarter"] = jnp.mean(
-      dropped.reshape(-1, t, dropped.shape[-1])[:, t - max(t // 4, 1):])
+  stats["drop_fraction_first_quarter"] = jnp.mean(dropped_btj[:, :quarter])
+  stats["drop_fraction_last_quarter"] = jnp.mean(dropped_btj[:, t - quarter:])
   count_gs = jnp.sum(routing.kept.astype(jnp.float32), axis=-1)
   stats["no_expert_fraction"] = jnp.mean((count_gs == 0).astype(jnp.float32))
   stats["experts_per_token_mean"] = jnp.mean(count_gs)

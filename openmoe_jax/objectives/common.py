@@ -38,8 +38,9 @@ def moe_layer_numbers(model) -> Optional[List[int]]:
 
 def moe_metrics(aux: Dict[str, jax.Array], layer_numbers: Optional[Sequence[int]] = None
                 ) -> Dict[str, jax.Array]:
-  """Returns scalar MoE metrics: router losses, mean and per-layer drop fraction,
-  router entropy and expert-load coefficient of variation.
+  """Returns scalar MoE metrics: router losses, mean and per-layer drop fraction
+  (overall, first and last quarter of positions), router entropy and expert-load
+  coefficient of variation.
 
   Per-layer metrics are named `moe/layer_<n>/...` with n the model layer number from
   `layer_numbers` (the analysis report uses the same numbers); without it, n counts
@@ -51,7 +52,9 @@ def moe_metrics(aux: Dict[str, jax.Array], layer_numbers: Optional[Sequence[int]
   load_le = aux["expert_load"]
   cv_l = jnp.std(load_le, axis=-1) / jnp.maximum(jnp.mean(load_le, axis=-1), 1e-9)
   metrics["moe/drop_fraction"] = jnp.mean(aux["drop_fraction"])
-  metrics["moe/drop_fraction_last_quarter"] = jnp.mean(aux["drop_fraction_last_quarter"])
+  for part in ("first", "last"):
+    name = f"drop_fraction_{part}_quarter"
+    metrics[f"moe/{name}"] = jnp.mean(aux[name])
   metrics["moe/router_entropy"] = jnp.mean(aux["router_entropy"])
   metrics["moe/expert_load_cv"] = jnp.mean(cv_l)
   if "tokenwise_lb_loss" in aux:
@@ -66,7 +69,8 @@ def moe_metrics(aux: Dict[str, jax.Array], layer_numbers: Optional[Sequence[int]
     raise ValueError(f"{len(numbers)} layer numbers for {load_le.shape[0]} MoE layers")
   for i, n in enumerate(numbers):
     metrics[f"moe/layer_{n}/drop_fraction"] = aux["drop_fraction"][i]
-    metrics[f"moe/layer_{n}/drop_fraction_last_quarter"] = (
-        aux["drop_fraction_last_quarter"][i])
+    for part in ("first", "last"):
+      name = f"drop_fraction_{part}_quarter"
+      metrics[f"moe/layer_{n}/{name}"] = aux[name][i]
     metrics[f"moe/layer_{n}/expert_load_cv"] = cv_l[i]
   return metrics

@@ -1,9 +1,12 @@
-"""Slow, loop-by-loop MoE reference in float64 NumPy. Used by tests only.
+"""Test oracle: a slow, loop-by-loop MoE reference in float64 NumPy.
 
-Written to read like the papers, not like the vectorised code. Token choice (ST-MoE):
-route each group's tokens choice rank by choice rank, in sequence order, into experts
-until they are full. Expert choice (OpenMoE 2): each expert walks its tokens from the
-highest score down and takes the first C. Then sum the gated expert outputs.
+Written to read like the papers, not like the vectorised code. Token choice: route
+each group's (token, choice) pairs one at a time into experts until they are full,
+in one of two orders: ST-MoE's (choice rank by choice rank, tokens in sequence order
+within a rank) or position-major (token by token, each token's choices in rank
+order). Capacity as ST-MoE (cf x T / E) or per choice (cf x k x T / E, Megatron).
+Expert choice (OpenMoE 2): each expert walks its tokens from the highest score down
+and takes the first C. Then sum the gated expert outputs.
 """
 from typing import Dict, Optional, Tuple
 
@@ -46,32 +49,54 @@ def reference_gates(logits_x, num_experts: int, kind: str):
 
 
 def reference_token_choice(scores, top_k: int, capacity: int, renormalize=False,
-                           batch_prioritized=False, scaling=1.0):
+                           batch_prioritized=False, scaling=1.0,
+                           priority="choice_major"):
   """Returns (expert [s, k], kept [s, k], gates [s, k]) of one group's scores [s, E].
 
-  Choice rank by choice rank; within a rank tokens in sequence order, or by
-  decreasing top-1 score (stable) when batch_prioritized; full experts drop.
+  "choice_major": choice rank by choice rank; within a rank tokens in sequence
+  order, or by decreasing top-1 score (stable) when batch_prioritized.
+  "position_major": token by token in sequence order, each token's choices in rank
+  order. A choice whose expert already holds `capacity` choices drops.
   """
   s = len(scores)
   experts = np.array([np.argsort(-p, kind="stable")[:top_k] for p in scores])
-  order = range(s)
+  tokens = list(range(s))
   if batch_prioritized:
-    order = sorted(range(s), key=lambda i: -scores[i, experts[i][0]])
+    tokens = sorted(tokens, key=lambda i: -scores[i, experts[i][0]])
+  if priority == "choice_major":
+    queue = [(i, rank) for rank in range(top_k) for i in tokens]
+  elif priority == "position_major" and not batch_prioritized:
+    queue = [(i, rank) for i in tokens for rank in range(top_k)]
+  else:
+    raise ValueError(f"no reference for priority={priority!r}, "
+                     f"batch_prioritized={batch_prioritized}")
   kept = np.zeros((s, top_k), bool)
   gates = np.zeros((s, top_k))
   filled = [0] * scores.shape[1]
-  for rank in range(top_k):
-    for i in order:
-      expert = experts[i][rank]
-      if filled[expert] >= capacity:
-        continue
-      filled[expert] += 1
-      kept[i, rank] = True
-      gate = scores[i, expert]
-      if renormalize:
-        gate /= sum(scores[i, e] for e in experts[i])
-      gates[i, rank] = gate * scaling
+  for i, rank in queue:
+    expert = experts[i][rank]
+    if filled[expert] >= capacity:
+      continue
+    filled[expert] += 1
+    kept[i, rank] = True
+    gate = scores[i, expert]
+    if renormalize:
+      gate /= sum(scores[i, e] for e in experts[i])
+    gates[i, rank] = gate * scaling
   return experts, kept, gates
+
+
+def reference_token_capacity(cfg: MoeConfig, tokens_per_group: int, train: bool) -> int:
+  """Returns the token-choice buffer size per expert for a group.
+
+  Dropless: the whole group. ST-MoE: max(round(cf x T / E), min_capacity).
+  Per choice (Megatron, OpenMoE 2): max(round(cf x k x T / E), min_capacity).
+  """
+  if cfg.router.dropless:
+    return tokens_per_group
+  cf = cfg.capacity_factor_train if train else cfg.capacity_factor_eval
+  choices = tokens_per_group * (cfg.top_k if cfg.router.capacity_per_choice else 1)
+  return max(int(round(cf * choices / cfg.num_experts)), cfg.min_capacity)
 
 
 def reference_expert_choice(scores, capacity: int, unit_length: int, renormalize=False,
@@ -111,11 +136,10 @@ def _route_group(scores, cfg: MoeConfig, train: bool, t: int):
     served = [(i, e, gates[i, e]) for i in range(s) for e in range(num_experts)
               if kept[i, e]]
     return served, int(np.sum(~kept.any(-1))), s
-  capacity = s if router.dropless else max(int(round(cf * s / num_experts)),
-                                           cfg.min_capacity)
   experts, kept, gates = reference_token_choice(
-      scores, cfg.top_k, capacity, cfg.renormalize_gates, router.batch_prioritized,
-      cfg.routed_scaling_factor)
+      scores, cfg.top_k, reference_token_capacity(cfg, s, train),
+      cfg.renormalize_gates, router.batch_prioritized, cfg.routed_scaling_factor,
+      router.priority)
   served = [(i, experts[i, r], gates[i, r]) for i in range(s) for r in range(cfg.top_k)
             if kept[i, r]]
   return served, int(np.sum(~kept)), s * cfg.top_k
