@@ -15,6 +15,7 @@ from openmoe_jax.analysis import analyses, cli
 from openmoe_jax.analysis.record import (RoutingRecord, _check_token_choice,
                                          make_routing_fn, record_routing)
 from openmoe_jax.analysis.routing import moe_layer_numbers
+from openmoe_jax.cli import flags
 from openmoe_jax.config import ModelConfig, MoeConfig
 from openmoe_jax.model import Decoder
 from openmoe_jax.moe.routers_expert_choice import ExpertChoiceRouter
@@ -191,7 +192,7 @@ def test_analyze_priority_flag_reroutes_token_choice_only():
   assert rerouted.moe.router.capacity_per_choice == cfg.moe.router.capacity_per_choice
   assert cli.parse_args(["--model_dir=x", "--output=y", "--priority=position_major"]
                         ).priority == "position_major"
-  with pytest.raises(SystemExit):
+  with pytest.raises(flags.UsageError, match="priority"):
     cli.parse_args(["--model_dir=x", "--output=y", "--priority=random"])
   with pytest.raises(ValueError, match="token-choice"):
     cli.with_priority(cfg.replace(moe=cfg.moe.replace(router=ExpertChoiceRouter())),

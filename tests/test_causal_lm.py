@@ -16,6 +16,7 @@ from openmoe_jax.analysis.routing import flatten_routing
 from openmoe_jax.config import ModelConfig, MoeConfig
 from openmoe_jax.model import Decoder
 from openmoe_jax.objectives import CausalLm
+from openmoe_jax.objectives.common import moe_layer_numbers
 
 CFG = ModelConfig(vocab_size=64, d_model=16, num_heads=2, head_dim=8, d_ff=24,
                   num_layers=2, sparse_interval=2,
@@ -88,7 +89,8 @@ def test_causal_lm_reports_drops_by_quarter_from_the_routing():
     dropped_l = 1 - kept_lbtk[:, :, sl].mean(axis=(1, 2, 3))
     assert float(metrics[f"moe/drop_fraction_{part}_quarter"]) == pytest.approx(
         dropped_l.mean())
-    for l in range(2):
-      assert float(metrics[f"moe/layer_{l}/drop_fraction_{part}_quarter"]) == (
+    # Per-layer names carry the model layer number (MoE layers 1 and 3 here).
+    for l, n in enumerate(moe_layer_numbers(model)):
+      assert float(metrics[f"moe/layer_{n}/drop_fraction_{part}_quarter"]) == (
           pytest.approx(dropped_l[l]))
   assert 0 < float(metrics["moe/drop_fraction"]) < 1

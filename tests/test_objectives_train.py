@@ -39,6 +39,7 @@ def test_per_layer_moe_metrics_use_model_layer_numbers():
   assert numbers == [1, 3]  # what the analysis report calls them
   aux = {"aux_loss": 0.0, "lb_loss": 0.0, "z_loss": 0.0,
          "drop_fraction": jnp.array([0.1, 0.2]),
+         "drop_fraction_first_quarter": jnp.array([0.0, 0.1]),
          "drop_fraction_last_quarter": jnp.array([0.3, 0.4]),
          "router_entropy": jnp.array([1.0, 1.0]),
          "expert_load": jnp.ones((2, 4))}
