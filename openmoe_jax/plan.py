@@ -8,7 +8,6 @@ Uses libtpu's description of the topology (`jax.experimental.topologies`), so
 `pip install -e ".[tpu]"` (or the test extra) is needed; with no TPU attached the
 CPU is picked by itself (cli/environment.py). Exit code 3: does not fit.
 """
-import dataclasses
 import json
 import os
 import re

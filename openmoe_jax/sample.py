@@ -10,7 +10,6 @@ import functools
 import sys
 from typing import Any, Optional
 
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -26,7 +26,7 @@ from openmoe_jax.checkpoints import Checkpointer, abstract_with_shardings
 from openmoe_jax.config import ModelConfig
 from openmoe_jax.convert import params_export
 from openmoe_jax.data import pipeline
-from openmoe_jax.metrics import MetricsLogger, ProgressPrinter, to_float
+from openmoe_jax.metrics import MetricsLogger, ProgressPrinter
 from openmoe_jax.model import Decoder
 from openmoe_jax.objectives import CausalLm
 from openmoe_jax.optim import learning_rate
