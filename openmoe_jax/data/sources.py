@@ -134,14 +134,21 @@ def text_files(split_to_filepattern: FilePatterns = gin.REQUIRED,
   if file_format not in FILE_FORMATS:
     raise ValueError(f"file_format {file_format!r} not in {FILE_FORMATS}")
   patterns = dict(split_to_filepattern)
-  if file_format == "jsonl":
-    source = seqio.FileDataSource(_numbered_lines, patterns)
-  else:
-    source = seqio.TextLineDataSource(patterns)
+  source = (NumberedLineDataSource if file_format == "jsonl"
+            else seqio.TextLineDataSource)(patterns)
   _attach_validator(source, patterns, functools.partial(
       _check_lines, file_format=file_format, text_field=text_field))
   return Source(source, (functools.partial(parse_lines, file_format=file_format,
                                            text_field=text_field),))
+
+
+class NumberedLineDataSource(seqio.TextLineDataSource):
+  """A TextLineDataSource (same files, order and sharding) whose examples are
+  {"line", "path", "number"}, so that a parse error can name the file and line."""
+
+  def __init__(self, split_to_filepattern: FilePatterns):
+    super().__init__(split_to_filepattern)
+    self._reader = _numbered_lines
 
 
 def _numbered_lines(path) -> tf.data.Dataset:
