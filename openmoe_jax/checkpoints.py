@@ -16,9 +16,11 @@ Faults (each raises one exception type naming the directory and the cause):
 - partial saves (`<step>.orbax-checkpoint-tmp*` of a process killed mid-write) are
   never restored; `remove_partial_saves` deletes them.
 """
+import gc
 import logging
 import os
 import shutil
+import sys
 from typing import Any, Callable, Optional
 
 from etils import epath
@@ -66,6 +68,10 @@ def _reason(error: BaseException) -> str:
   """Returns a one-line description of `error` (type and first line)."""
   text = str(error).strip().splitlines()
   return f"{type(error).__name__}: {text[0] if text else ''}"[:500]
+
+
+def _drop_unraisable(unraisable: Any) -> None:
+  del unraisable
 
 
 def check_writable(model_dir: str) -> None:
@@ -231,10 +237,19 @@ class Checkpointer:
 
   def _restore_step(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
     """Returns (state, data_position) of `step`; raises whatever Orbax raises."""
-    restored = self._manager.restore(step, args=ocp.args.Composite(**{
-        _STATE: ocp.args.StandardRestore(abstract_state),
-        _DATA_POSITION: ocp.args.JsonRestore(),
-    }))
+    previous, sys.unraisablehook = sys.unraisablehook, _drop_unraisable
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(**{
+          _STATE: ocp.args.StandardRestore(abstract_state),
+          _DATA_POSITION: ocp.args.JsonRestore(),
+      }))
+    except Exception:
+      # Orbax abandons the reads of the other arrays; their coroutines would print
+      # the same failure, with a page of TensorStore spec each, when collected.
+      gc.collect()
+      raise
+    finally:
+      sys.unraisablehook = previous
     return restored[_STATE], dict(restored[_DATA_POSITION] or {})
 
   def _step_path(self, step: int) -> str:
