@@ -143,10 +143,12 @@ class Checkpointer:
     written in the background, fails; earlier checkpoints stay intact.
     """
     # A background save that failed surfaces at the first call after it ended;
-    # a due save waits for the previous one anyway (Orbax would).
+    # a due save waits for the previous one anyway (Orbax would), here so that a
+    # failure is reported with the step it belongs to. should_save is evaluated on
+    # every call, as Orbax's save does, so that all hosts take the same path.
+    due = force or self._manager.should_save(int(step))
     if self._pending_step is not None and (
-        force or not self._manager.is_saving_in_progress()
-        or self._manager.should_save(int(step))):
+        due or not self._manager.is_saving_in_progress()):
       self.wait_until_finished()
     args = ocp.args.Composite(**{
         _STATE: ocp.args.StandardSave(state),
