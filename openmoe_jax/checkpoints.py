@@ -3,31 +3,126 @@
 Layout: `<model_dir>/checkpoints/<step>/{state,data_position}`; `state` is a standard
 pytree checkpoint (restorable into any sharding), `data_position` a small JSON dict
 (e.g. examples consumed) so a resumed run continues the data stream where it stopped.
-"""
-import os
-from typing import Any
 
+Faults (each raises one exception type naming the directory and the cause):
+- an unwritable MODEL_DIR: `check_writable` -> `UnwritableDirectoryError`, before any
+  compile;
+- a save that fails (disk full, I/O error), synchronously or in the background:
+  `CheckpointSaveError`; checkpoints already on disk are left as they were;
+- a damaged checkpoint (a file truncated or missing, unreadable metadata):
+  `Checkpointer.restore` names it and falls back to the previous complete one
+  (`Checkpointer.restore_fallback`), moving the damaged one to
+  `<model_dir>/damaged_checkpoints/`; `CheckpointDamagedError` when none is readable;
+- partial saves (`<step>.orbax-checkpoint-tmp*` of a process killed mid-write) are
+  never restored; `remove_partial_saves` deletes them.
+"""
+import gc
+import logging
+import os
+import shutil
+import sys
+from typing import Any, Callable, Optional
+
+from etils import epath
 import gin
 import jax
 import orbax.checkpoint as ocp
 
 _STATE = "state"
 _DATA_POSITION = "data_position"
+DAMAGED_DIR = "damaged_checkpoints"
+TMP_MARKER = ".orbax-checkpoint-tmp"
+# Orbax's messages for a checkpoint that does not fit the requested state: the
+# checkpoint is fine, the configuration changed, so no older one would fit either.
+_MISMATCH_MARKERS = ("is not compatible with the stored shape", "Structure mismatch")
 
 
-@gin.configurable(denylist=["model_dir"])
+class CheckpointError(RuntimeError):
+  """Base of the checkpoint faults below; `directory` is the path concerned."""
+
+  def __init__(self, message: str, directory: str, step: Optional[int] = None):
+    super().__init__(message)
+    self.directory, self.step = directory, step
+
+
+class UnwritableDirectoryError(CheckpointError):
+  """MODEL_DIR (or its checkpoints folder) cannot be created or written."""
+
+
+class CheckpointSaveError(CheckpointError):
+  """A save failed; the checkpoints saved before it are intact."""
+
+
+class CheckpointDamagedError(CheckpointError):
+  """A checkpoint could not be read (and no fallback was allowed or possible).
+
+  `damaged`: [(step, path, reason)] of every checkpoint that failed to read."""
+
+  def __init__(self, message: str, directory: str, step: Optional[int] = None,
+               damaged: tuple = ()):
+    super().__init__(message, directory, step)
+    self.damaged = list(damaged)
+
+
+def _reason(error: BaseException) -> str:
+  """Returns a one-line description of `error` (type and first line)."""
+  text = str(error).strip().splitlines()
+  return f"{type(error).__name__}: {text[0] if text else ''}"[:500]
+
+
+def _drop_unraisable(unraisable: Any) -> None:
+  del unraisable
+
+
+def check_writable(model_dir: str) -> None:
+  """Creates `model_dir` and `model_dir/checkpoints` if needed and writes, then
+  deletes, a probe file in each; returns None.
+
+  Raises UnwritableDirectoryError naming the directory and the OS reason
+  (permission denied, read-only file system, a file in the way, disk full).
+  """
+  for directory in (os.fspath(model_dir),
+                    os.path.join(os.fspath(model_dir), "checkpoints")):
+    path = epath.Path(directory)
+    probe = path / f".write_probe_{os.getpid()}"
+    try:
+      path.mkdir(parents=True, exist_ok=True)
+      probe.write_text("ok")
+      probe.unlink()
+    except Exception as e:  # gs:// raises its own types; all mean "cannot write"
+      raise UnwritableDirectoryError(
+          f"MODEL_DIR {model_dir} is not writable ({directory}): {_reason(e)}",
+          directory) from e
+
+
+@gin.configurable(denylist=["model_dir", "print_fn"])
 class Checkpointer:
   """Saves every `save_every_steps` steps (or when forced, or on preemption) and keeps
   the last `keep` checkpoints (keep=None keeps all).
 
   Saving is asynchronous: `save` returns once device arrays are copied out; call
   `wait_until_finished()` before reading a checkpoint back or exiting (`close()` does).
+  A failed save raises CheckpointSaveError from `save` (or, when it failed in the
+  background, from the next `save`, `wait_until_finished` or `close`).
+
+  `restore_fallback` (gin: `Checkpointer.restore_fallback`): when the latest
+  checkpoint is damaged, True (the default, the safe choice) says which one and why
+  and restores the previous complete one; False stops with CheckpointDamagedError.
+  Either way a run never silently starts from scratch. `print_fn` receives those
+  messages (default: logging.warning).
   """
 
-  def __init__(self, model_dir: str, save_every_steps: int = 1000, keep: int | None = 3):
+  def __init__(self, model_dir: str, save_every_steps: int = 1000, keep: int | None = 3,
+               restore_fallback: bool = True,
+               print_fn: Optional[Callable[[str], None]] = None):
     if save_every_steps < 1:
       raise ValueError(f"save_every_steps must be >= 1, got {save_every_steps}")
-    self.directory = os.path.join(os.fspath(model_dir), "checkpoints")
+    self.model_dir = os.fspath(model_dir)
+    self.directory = os.path.join(self.model_dir, "checkpoints")
+    self.restore_fallback = bool(restore_fallback)
+    self.print_fn = print_fn or logging.warning
+    self._pending_step = None  # the step whose save may still be in the background
+    self.restored_step = None  # the step `restore` returned last
     # Orbax's default policy also saves the first step it sees; a run should only
     # save on multiples of save_every_steps, on preemption, and when forced.
     policy = ocp.checkpoint_managers.AnySavePolicy([
@@ -42,12 +137,53 @@ class Checkpointer:
   def save(self, step: int, state: Any, data_position: dict | None = None,
            force: bool = False) -> bool:
     """Saves `state` (a pytree of arrays) and `data_position` (JSON-able dict) at
-    `step` if the step is due or `force`. Returns whether a save was started."""
+    `step` if the step is due or `force`. Returns whether a save was started.
+
+    Raises CheckpointSaveError when this save, or the previous one still being
+    written in the background, fails; earlier checkpoints stay intact.
+    """
+    # A background save that failed surfaces at the first call after it ended;
+    # a due save waits for the previous one anyway (Orbax would), here so that a
+    # failure is reported with the step it belongs to. should_save is evaluated on
+    # every call, as Orbax's save does, so that all hosts take the same path.
+    due = force or self._manager.should_save(int(step))
+    if self._pending_step is not None and (
+        due or not self._manager.is_saving_in_progress()):
+      self.wait_until_finished()
     args = ocp.args.Composite(**{
         _STATE: ocp.args.StandardSave(state),
         _DATA_POSITION: ocp.args.JsonSave(dict(data_position or {})),
     })
-    return self._manager.save(int(step), args=args, force=force)
+    try:
+      started = self._manager.save(int(step), args=args, force=force)
+    except Exception as e:
+      raise self._save_error(int(step), e) from e
+    if started:
+      self._pending_step = int(step)
+    return started
+
+  def _save_error(self, step: int, error: BaseException) -> CheckpointSaveError:
+    """Returns the CheckpointSaveError for a failed save of `step` (and makes
+    the step list match the disk again: Orbax drops the oldest step from it when a
+    save starts, and deletes it from disk only once that save is committed)."""
+    try:
+      self._manager.reload()
+    except Exception:  # pylint: disable=broad-except
+      pass  # the original error is the one to report
+    kept = self.all_steps_on_disk()
+    return CheckpointSaveError(
+        f"saving the checkpoint of step {step} in {self.directory} failed: "
+        f"{_reason(error)}. The checkpoints already saved are intact "
+        f"(steps {kept or 'none'}); free space or fix the storage, then run the "
+        "same command again to resume from the latest.", self.directory, step)
+
+  def all_steps_on_disk(self) -> list[int]:
+    """Returns the finalized steps found in the directory now, oldest first."""
+    try:
+      names = os.listdir(self.directory)
+    except OSError:
+      return []
+    return sorted(int(n) for n in names if n.isdigit())
 
   def latest_step(self) -> int | None:
     """Returns the newest saved step, or None when there is no checkpoint."""
@@ -57,8 +193,8 @@ class Checkpointer:
     """Returns the saved steps, oldest first."""
     return sorted(self._manager.all_steps())
 
-  def restore(self, step: int | None = None, abstract_state: Any = None
-              ) -> tuple[Any, dict]:
+  def restore(self, step: int | None = None, abstract_state: Any = None,
+              fallback: Optional[bool] = None) -> tuple[Any, dict]:
     """Returns (state, data_position) saved at `step` (default: the latest).
 
     `abstract_state` is a pytree of `jax.ShapeDtypeStruct` carrying `.sharding`
@@ -66,29 +202,127 @@ class Checkpointer:
     directly into those shardings, with the dtypes given there. Without it, arrays
     come back as saved, on the default device. Raises FileNotFoundError when no
     checkpoint exists.
+
+    With `step` None, a damaged latest checkpoint is reported through `print_fn`
+    (path and reason) and, when `fallback` (default: `self.restore_fallback`),
+    moved to `<model_dir>/damaged_checkpoints/` and the previous one tried, and so
+    on; `self.restored_step` tells which step came back. Raises
+    CheckpointDamagedError when fallback is off or no checkpoint is readable, and
+    re-raises Orbax's ValueError unchanged when the checkpoint does not fit
+    `abstract_state` (a changed configuration, not damage). An explicit `step`
+    never falls back.
     """
-    if step is None:
-      step = self.latest_step()
-      if step is None:
-        raise FileNotFoundError(f"no checkpoint in {self.directory}")
-    restored = self._manager.restore(int(step), args=ocp.args.Composite(**{
-        _STATE: ocp.args.StandardRestore(abstract_state),
-        _DATA_POSITION: ocp.args.JsonRestore(),
-    }))
+    fallback = self.restore_fallback if fallback is None else fallback
+    steps = [int(step)] if step is not None else self.all_steps()[::-1]
+    if not steps:
+      raise FileNotFoundError(f"no checkpoint in {self.directory}")
+    damaged = []
+    for candidate in steps:
+      try:
+        state, position = self._restore_step(candidate, abstract_state)
+      except Exception as e:  # pylint: disable=broad-except
+        if any(marker in str(e) for marker in _MISMATCH_MARKERS):
+          raise
+        damaged.append((candidate, self._step_path(candidate), _reason(e)))
+        self.print_fn(f"Checkpoint {self._step_path(candidate)} is damaged: "
+                      f"{_reason(e)}")
+        if step is not None or not fallback:
+          raise self._damaged_error(damaged, fallback_off=step is None) from e
+        continue
+      self._set_aside(damaged)
+      if damaged:
+        self.print_fn(f"Falling back to the checkpoint of step {candidate} "
+                      f"({self._step_path(candidate)})")
+      self.restored_step = candidate
+      return state, position
+    raise self._damaged_error(damaged, fallback_off=False)
+
+  def _restore_step(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
+    """Returns (state, data_position) of `step`; raises whatever Orbax raises."""
+    previous, sys.unraisablehook = sys.unraisablehook, _drop_unraisable
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(**{
+          _STATE: ocp.args.StandardRestore(abstract_state),
+          _DATA_POSITION: ocp.args.JsonRestore(),
+      }))
+    except Exception:
+      # Orbax abandons the reads of the other arrays; their coroutines would print
+      # the same failure, with a page of TensorStore spec each, when collected.
+      gc.collect()
+      raise
+    finally:
+      sys.unraisablehook = previous
     return restored[_STATE], dict(restored[_DATA_POSITION] or {})
+
+  def _step_path(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
+  def _damaged_error(self, damaged, fallback_off: bool) -> CheckpointDamagedError:
+    """Returns the CheckpointDamagedError listing `damaged` [(step, path, why)]."""
+    listing = "; ".join(f"{path}: {why}" for _, path, why in damaged)
+    if fallback_off:
+      advice = ("Checkpointer.restore_fallback is False; set it to True to resume "
+                "from the previous complete checkpoint, or move the damaged one away")
+    elif len(damaged) == 1:
+      advice = "restore it from a backup or move it away"
+    else:
+      advice = (f"none of the {len(damaged)} checkpoints in {self.directory} is "
+                "readable; restore them from a backup or use a new MODEL_DIR")
+    return CheckpointDamagedError(f"damaged checkpoint(s): {listing}. {advice}.",
+                                  self.directory, damaged[-1][0], damaged)
+
+  def _set_aside(self, damaged) -> None:
+    """Moves each damaged step to <model_dir>/damaged_checkpoints/ (kept for
+    inspection; a later save of that step must not collide with it)."""
+    if not damaged:
+      return
+    if jax.process_index() == 0:
+      aside = os.path.join(self.model_dir, DAMAGED_DIR)
+      os.makedirs(aside, exist_ok=True)
+      for step, path, _ in damaged:
+        target, n = os.path.join(aside, str(step)), 1
+        while os.path.exists(target):
+          target, n = os.path.join(aside, f"{step}.{n}"), n + 1
+        shutil.move(path, target)
+        self.print_fn(f"Moved the damaged checkpoint {path} to {target}")
+    self._manager.reload()
+
+  def remove_partial_saves(self) -> list[str]:
+    """Deletes `<step>.orbax-checkpoint-tmp*` folders, the leftovers of saves
+    interrupted mid-write (never restored: Orbax lists finalized steps only);
+    returns their paths. Call it from the one process that writes (a trainer
+    starting), never while another process may be saving into the directory."""
+    removed = []
+    if jax.process_index() != 0 or not os.path.isdir(self.directory):
+      return removed
+    for name in sorted(os.listdir(self.directory)):
+      if TMP_MARKER in name:
+        path = os.path.join(self.directory, name)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
 
   def saving_in_progress(self) -> bool:
     """Returns whether an asynchronous save is still being written."""
     return self._manager.is_saving_in_progress()
 
   def wait_until_finished(self) -> None:
-    """Blocks until pending asynchronous saves are committed to disk."""
-    self._manager.wait_until_finished()
+    """Blocks until pending asynchronous saves are committed to disk; raises
+    CheckpointSaveError when one of them failed."""
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:
+      step, self._pending_step = self._pending_step, None
+      raise self._save_error(step, e) from e
+    self._pending_step = None
 
   def close(self) -> None:
-    """Waits for pending saves and releases the manager's resources."""
-    self._manager.wait_until_finished()
-    self._manager.close()
+    """Waits for pending saves and releases the manager's resources (raises
+    CheckpointSaveError, after releasing them, when a pending save failed)."""
+    try:
+      self.wait_until_finished()
+    finally:
+      self._manager.close()
 
   def __enter__(self):
     return self

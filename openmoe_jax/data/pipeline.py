@@ -38,6 +38,9 @@ _hide_accelerators_from_tf()
 
 # The package __init__ maps <repo>/tasks here in a source checkout too.
 from openmoe_jax import tasks  # pylint: disable=g-import-not-at-top
+from openmoe_jax.data import sources  # pylint: disable=g-import-not-at-top
+
+DataFileError = sources.DataFileError
 
 
 def vocabulary_for(mixture_or_task_name: str) -> seqio.Vocabulary:
@@ -70,6 +73,47 @@ def feature_converter(provider: seqio.DatasetProviderBase, sequence_length: int,
                      f"no targets in {sequence_length} tokens")
   return converter_cls(pack=pack), {"inputs": inputs,
                                     "targets": sequence_length - inputs}
+
+
+def _leaf_tasks(provider: seqio.DatasetProviderBase) -> list[seqio.Task]:
+  """Returns the tasks of a task or (nested) mixture."""
+  if isinstance(provider, seqio.Task):
+    return [provider]
+  return [t for sub in provider.tasks for t in _leaf_tasks(sub)]
+
+
+def validate_data(mixture_or_task_name: str, splits=("train",),
+                  max_records: int = 8) -> list[str]:
+  """Checks the data files of a task or mixture before training: each file
+  pattern matches, no file is empty, the first `max_records` records of every
+  file parse (`sources.validate_source`). Splits a task does not have are
+  skipped. Returns the files checked; raises DataFileError naming the file and
+  line or record. Cheap: a glob and a few records per file."""
+  tasks.register_tasks()
+  files = []
+  for task in _leaf_tasks(seqio.get_mixture_or_task(mixture_or_task_name)):
+    for split in splits:
+      if split in task.source.splits:
+        files += sources.validate_source(task.source, split, max_records)
+  return sorted(set(files))
+
+
+def _batches(ds: tf.data.Dataset, name: str, split: str):
+  """Yields the numpy batches of `ds`; raises DataFileError (file and line where
+  known) when reading or parsing the data fails."""
+  iterator = ds.as_numpy_iterator()
+  while True:
+    try:
+      batch = next(iterator)
+    except StopIteration:
+      return
+    except tf.errors.OpError as e:
+      error = sources.error_from_tf(e)
+      if error is not None:
+        raise error from None
+      raise DataFileError(f"reading the {split} data of {name} failed: "
+                          f"{e.message.splitlines()[0] if e.message else e}") from e
+    yield _with_segments(batch)
 
 
 def _with_segments(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -107,6 +151,7 @@ def get_dataset(
   `skip_batches` drops that many batches first (resume); `num_batches` caps
   the count; `repeat=False` gives one pass (validation: also shuffle=False).
   `shard_index`/`num_shards` select this host's share of the examples.
+  A data file that cannot be read or parsed raises DataFileError.
   """
   tasks.register_tasks()
   shard_info = (seqio.ShardInfo(index=shard_index, num_shards=num_shards)
@@ -130,4 +175,4 @@ def get_dataset(
   if num_batches is not None:
     ds = ds.take(num_batches)
   ds = ds.prefetch(2)
-  return (_with_segments(batch) for batch in ds.as_numpy_iterator())
+  return _batches(ds, mixture_or_task_name, split)

@@ -1,0 +1,265 @@
+"""Storage faults injected for real (issue 14, items 2 and 6): damaged checkpoints
+fall back to the previous complete one, partial saves are ignored and cleaned, an
+unwritable MODEL_DIR and a failing save raise one clear error and lose nothing."""
+import errno
+import glob
+import hashlib
+import os
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from orbax.checkpoint._src.path import atomicity
+
+from openmoe_jax import checkpoints
+
+
+def _state(step):
+  return {"step": jnp.asarray(step, jnp.int32),
+          "params": {"w": jnp.arange(12, dtype=jnp.float32).reshape(3, 4) * step,
+                     "b": jnp.full((5,), step, jnp.bfloat16)}}
+
+
+def _saved(tmp_path, steps=(1, 2, 3), keep=None):
+  """Returns the model dir holding checkpoints of `steps` (all written)."""
+  with checkpoints.Checkpointer(tmp_path, 1, keep) as ckpt:
+    for step in steps:
+      assert ckpt.save(step, _state(step), {"train_batches": step})
+  return tmp_path
+
+
+def _assert_state_of(state, step):
+  expected = _state(step)
+  for key in ("w", "b"):
+    np.testing.assert_array_equal(np.asarray(state["params"][key]),
+                                  np.asarray(expected["params"][key]))
+  assert int(state["step"]) == step
+
+
+def _tree_digest(directory):
+  """Returns {relative path: sha256} of every file under `directory`."""
+  digests = {}
+  for path in sorted(glob.glob(os.path.join(directory, "**"), recursive=True)):
+    if os.path.isfile(path):
+      with open(path, "rb") as f:
+        digests[os.path.relpath(path, directory)] = hashlib.sha256(f.read()).hexdigest()
+  return digests
+
+
+def _largest(pattern):
+  return max(glob.glob(pattern), key=os.path.getsize)
+
+
+def _truncate_array_data(step_dir):
+  path = _largest(os.path.join(step_dir, "state", "d", "*"))
+  with open(path, "r+b") as f:
+    f.truncate(os.path.getsize(path) // 2)
+
+
+def _delete_state_metadata(step_dir):
+  os.remove(os.path.join(step_dir, "state", "_METADATA"))
+
+
+def _truncate_manifest(step_dir):
+  path = os.path.join(step_dir, "state", "manifest.ocdbt")
+  with open(path, "r+b") as f:
+    f.truncate(os.path.getsize(path) // 2)
+
+
+def _delete_array_data(step_dir):
+  os.remove(_largest(os.path.join(step_dir, "state", "d", "*")))
+
+
+def _delete_data_position(step_dir):
+  os.remove(os.path.join(step_dir, "data_position", "metadata"))
+
+
+def _empty_data_position(step_dir):
+  open(os.path.join(step_dir, "data_position", "metadata"), "w").close()
+
+
+# _METADATA alone is not needed when the trainer's abstract state is given; without
+# one (evaluation, sampling) a missing one is damage too (the test after next).
+DAMAGE = [_truncate_array_data, _delete_array_data, _truncate_manifest,
+          _delete_data_position, _empty_data_position]
+
+
+@pytest.mark.parametrize("damage", DAMAGE, ids=lambda f: f.__name__.strip("_"))
+def test_damaged_latest_falls_back_to_previous(tmp_path, damage):
+  model_dir = _saved(tmp_path)
+  damaged = os.path.join(model_dir, "checkpoints", "3")
+  damage(damaged)
+  messages = []
+  # As the trainer passes it: shapes, dtypes and shardings, no values.
+  abstract = checkpoints.abstract_with_shardings(
+      jax.eval_shape(lambda: _state(0)),
+      jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]),
+                   _state(0)))
+  with checkpoints.Checkpointer(model_dir, 1, None, print_fn=messages.append) as ckpt:
+    assert ckpt.latest_step() == 3
+    state, position = ckpt.restore(abstract_state=abstract)
+    _assert_state_of(state, 2)
+    assert position == {"train_batches": 2} and ckpt.restored_step == 2
+    assert any(damaged in m and "damaged" in m for m in messages), messages
+    # Set aside (not deleted), so that step 3 can be saved again.
+    assert ckpt.latest_step() == 2
+    assert os.path.isdir(os.path.join(model_dir, checkpoints.DAMAGED_DIR, "3"))
+    assert ckpt.save(3, _state(33), {"train_batches": 3})
+    ckpt.wait_until_finished()
+    state, _ = ckpt.restore()
+    _assert_state_of(state, 33)
+
+
+def test_fallback_off_stops_and_names_the_damaged_checkpoint(tmp_path):
+  model_dir = _saved(tmp_path)
+  damaged = os.path.join(model_dir, "checkpoints", "3")
+  _truncate_array_data(damaged)
+  before = _tree_digest(model_dir)
+  gin.parse_config("Checkpointer.restore_fallback = False")
+  with checkpoints.Checkpointer(model_dir, 1, None, print_fn=lambda m: None) as ckpt:
+    with pytest.raises(checkpoints.CheckpointDamagedError) as error:
+      ckpt.restore()
+  assert damaged in str(error.value) and "restore_fallback" in str(error.value)
+  assert error.value.step == 3
+  assert _tree_digest(model_dir) == before  # nothing moved or written
+
+
+def test_every_checkpoint_damaged_raises_never_starts_from_scratch(tmp_path):
+  model_dir = _saved(tmp_path, steps=(1, 2))
+  for step in (1, 2):
+    _delete_state_metadata(os.path.join(model_dir, "checkpoints", str(step)))
+  before = _tree_digest(model_dir)
+  with checkpoints.Checkpointer(model_dir, 1, None, print_fn=lambda m: None) as ckpt:
+    with pytest.raises(checkpoints.CheckpointDamagedError) as error:
+      ckpt.restore()
+  assert [s for s, _, _ in error.value.damaged] == [2, 1]
+  for step in (1, 2):
+    assert os.path.join(model_dir, "checkpoints", str(step)) in str(error.value)
+  assert _tree_digest(model_dir) == before
+
+
+def test_explicit_step_never_falls_back(tmp_path):
+  model_dir = _saved(tmp_path)
+  _truncate_array_data(os.path.join(model_dir, "checkpoints", "2"))
+  with checkpoints.Checkpointer(model_dir, 1, None, print_fn=lambda m: None) as ckpt:
+    with pytest.raises(checkpoints.CheckpointDamagedError):
+      ckpt.restore(2)
+    _assert_state_of(ckpt.restore(3)[0], 3)
+
+
+def test_changed_shape_is_not_taken_for_damage(tmp_path):
+  model_dir = _saved(tmp_path)
+  before = _tree_digest(model_dir)
+  abstract = {"step": _state(0)["step"],
+              "params": {"w": jnp.zeros((3, 5)), "b": _state(0)["params"]["b"]}}
+  with checkpoints.Checkpointer(model_dir, 1, None, print_fn=lambda m: None) as ckpt:
+    with pytest.raises(ValueError, match="shape") as error:
+      ckpt.restore(abstract_state=abstract)
+  assert not isinstance(error.value, checkpoints.CheckpointError)
+  assert _tree_digest(model_dir) == before
+
+
+def test_partial_saves_are_ignored_then_removed(tmp_path):
+  model_dir = _saved(tmp_path, steps=(1, 2))
+  root = os.path.join(model_dir, "checkpoints")
+  # What a process killed mid-save leaves behind (both Orbax spellings).
+  for name in ("3.orbax-checkpoint-tmp", "4.orbax-checkpoint-tmp-1700000000"):
+    os.makedirs(os.path.join(root, name, "state", "d"))
+    with open(os.path.join(root, name, "state", "d", "half"), "wb") as f:
+      f.write(b"\0" * 100)
+  with checkpoints.Checkpointer(model_dir, 1, None) as ckpt:
+    assert ckpt.latest_step() == 2
+    _assert_state_of(ckpt.restore()[0], 2)
+    removed = ckpt.remove_partial_saves()
+    assert sorted(os.path.basename(p) for p in removed) == [
+        "3.orbax-checkpoint-tmp", "4.orbax-checkpoint-tmp-1700000000"]
+    assert sorted(os.listdir(root)) == ["1", "2"]
+    assert ckpt.save(3, _state(3), {"train_batches": 3})
+    assert ckpt.save(4, _state(4), {"train_batches": 4})
+  with checkpoints.Checkpointer(model_dir, 1, None) as ckpt:
+    assert ckpt.all_steps() == [1, 2, 3, 4]
+    _assert_state_of(ckpt.restore()[0], 4)
+
+
+# ------------------------------------------------------------- storage faults
+
+
+def test_check_writable_creates_the_directories(tmp_path):
+  model_dir = tmp_path / "runs" / "a"
+  checkpoints.check_writable(str(model_dir))
+  assert os.listdir(model_dir) == ["checkpoints"]
+  assert os.listdir(model_dir / "checkpoints") == []
+
+
+def test_unwritable_model_dir_under_a_file(tmp_path):
+  # Works as root too, where a chmod would not block writes.
+  (tmp_path / "file").write_text("not a directory")
+  for model_dir in (tmp_path / "file" / "run", tmp_path / "file"):
+    with pytest.raises(checkpoints.UnwritableDirectoryError) as error:
+      checkpoints.check_writable(str(model_dir))
+    assert str(model_dir) in str(error.value)
+    assert isinstance(error.value.__cause__, OSError)
+    assert type(error.value.__cause__).__name__ in str(error.value)
+
+
+def _fail_finalize(monkeypatch):
+  """Makes the background commit of every save fail as a full disk would."""
+  async def finalize(self, *args, **kwargs):
+    del self, args, kwargs
+    raise OSError(errno.ENOSPC, "No space left on device")
+  monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", finalize)
+
+
+def _fail_write(monkeypatch):
+  """Makes the synchronous part of every save fail as a full disk would."""
+  def save(self, *args, **kwargs):
+    del self, args, kwargs
+    raise OSError(errno.ENOSPC, "No space left on device")
+  monkeypatch.setattr(checkpoints.ocp.CheckpointManager, "save", save)
+
+
+@pytest.mark.parametrize("where", ["wait", "next_save", "close"])
+def test_failed_background_save_raises_and_keeps_previous(tmp_path, monkeypatch,
+                                                          where):
+  model_dir = _saved(tmp_path, steps=(1, 2))
+  before = _tree_digest(os.path.join(model_dir, "checkpoints"))
+  ckpt = checkpoints.Checkpointer(model_dir, 1, keep=2)
+  _fail_finalize(monkeypatch)
+  assert ckpt.save(3, _state(3), {"train_batches": 3})  # fails in the background
+  with pytest.raises(checkpoints.CheckpointSaveError) as error:
+    if where == "wait":
+      ckpt.wait_until_finished()
+    elif where == "next_save":
+      ckpt.save(4, _state(4), {"train_batches": 4})
+    else:
+      ckpt.close()
+  message = str(error.value)
+  assert error.value.step == 3 and "step 3" in message
+  assert os.path.join(str(model_dir), "checkpoints") in message
+  assert "No space left on device" in message and "[1, 2]" in message
+  monkeypatch.undo()
+  assert ckpt.latest_step() == 2 and ckpt.all_steps() == [1, 2]
+  after = _tree_digest(os.path.join(model_dir, "checkpoints"))
+  assert {k: v for k, v in after.items() if k.split(os.sep)[0] in "12"} == before
+  if where != "close":
+    # Storage fixed: the next save works and keep=2 prunes as usual.
+    assert ckpt.save(5, _state(5), {"train_batches": 5}, force=True)
+    ckpt.close()
+    with checkpoints.Checkpointer(model_dir, 1, keep=2) as again:
+      assert again.all_steps() == [2, 5]
+      _assert_state_of(again.restore()[0], 5)
+
+
+def test_failed_synchronous_save_raises_and_keeps_previous(tmp_path, monkeypatch):
+  model_dir = _saved(tmp_path, steps=(1, 2))
+  before = _tree_digest(model_dir)
+  with checkpoints.Checkpointer(model_dir, 1, keep=2) as ckpt:
+    _fail_write(monkeypatch)
+    with pytest.raises(checkpoints.CheckpointSaveError,
+                       match="step 3 .* No space left on device"):
+      ckpt.save(3, _state(3), {"train_batches": 3})
+    monkeypatch.undo()
+    assert ckpt.all_steps() == [1, 2]
+  assert _tree_digest(model_dir) == before
