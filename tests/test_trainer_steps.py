@@ -220,3 +220,28 @@ def test_losses_are_named_as_in_the_metrics_file():
   # is the cross-entropy alone, like the evaluation's.
   assert summary["last_train_loss"] == 2.0 and summary["last_train_ce_loss"] == 1.5
   assert summary["first_eval_ce_loss"] == summary["last_eval_ce_loss"] == 3.0
+
+
+def test_trainer_places_adam_moments_like_their_parameters():
+  from openmoe_jax import partitioning  # pylint: disable=g-import-not-at-top
+  from openmoe_jax.trainer import Trainer  # pylint: disable=g-import-not-at-top
+  mesh = partitioning.make_mesh(data=2, fsdp=2, tensor=2)
+  with partitioning.activate(mesh):
+    trainer = Trainer(Decoder(CFG), CausalLm(),
+                      optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3), mesh,
+                      sequence_length=16)
+    state = trainer.init_state(jax.random.PRNGKey(0))
+    adam = _adam_state(state.opt_state)
+    param_sh = jax.tree.map(lambda a: a.sharding, state.params)
+    assert jax.tree.map(lambda a: a.sharding, adam.mu) == param_sh
+    assert jax.tree.map(lambda a: a.sharding, adam.nu) == param_sh
+    assert any(s.spec != jax.sharding.PartitionSpec() for s in jax.tree.leaves(param_sh))
+    state, metrics = trainer.train_step(state, _batch(), jax.random.PRNGKey(1))
+    assert int(state.step) == 1 and np.isfinite(float(metrics["loss"]))
+    assert jax.tree.map(lambda a: a.sharding, _adam_state(state.opt_state).mu) == param_sh
+
+
+def _adam_state(opt_state):
+  """Returns the ScaleByAdamState inside `opt_state`."""
+  is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)
+  return next(x for x in jax.tree.leaves(opt_state, is_leaf=is_adam) if is_adam(x))
