@@ -159,7 +159,7 @@ def _check_choice(name, value, choices):
 VOCAB_MULTIPLE = 128  # embedding rows are padded so the vocab axis shards evenly
 
 
-def build_model_config(model_config: Optional[ModelConfig], vocab_size: int) -> ModelConfig:
+def build_model_config(model_config: ModelConfig | None, vocab_size: int) -> ModelConfig:
   """Returns `model_config` (default: gin's ModelConfig()) with vocab_size filled in:
   the task vocabulary's size rounded up to VOCAB_MULTIPLE when unset."""
   cfg = model_config or ModelConfig()
