@@ -154,3 +154,18 @@ class ModelConfig:
 def _check_choice(name, value, choices):
   if value not in choices:
     raise ValueError(f"ModelConfig.{name}={value!r}; choose one of {choices}")
+
+
+VOCAB_MULTIPLE = 128  # embedding rows are padded so the vocab axis shards evenly
+
+
+def build_model_config(model_config: ModelConfig | None, vocab_size: int) -> ModelConfig:
+  """Returns `model_config` (default: gin's ModelConfig()) with vocab_size filled in:
+  the task vocabulary's size rounded up to VOCAB_MULTIPLE when unset."""
+  cfg = model_config or ModelConfig()
+  if cfg.vocab_size is None:
+    cfg = cfg.replace(vocab_size=-(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE)
+  elif cfg.vocab_size < vocab_size:
+    raise ValueError(f"ModelConfig.vocab_size={cfg.vocab_size} is smaller than the "
+                     f"task vocabulary ({vocab_size})")
+  return cfg

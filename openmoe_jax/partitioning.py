@@ -182,6 +182,35 @@ def param_shardings(abstract_boxed_tree, mesh: Mesh):
                       is_leaf=lambda x: isinstance(x, nn.Partitioned))
 
 
+def opt_state_shardings(abstract_opt_state, abstract_boxed_params, mesh: Mesh):
+  """Returns a pytree of NamedSharding for an (abstract) optimizer state.
+
+  Optimizer states mirror the parameters in their moment subtrees (Adam's mu and nu,
+  inside whatever chain, mask or multi_transform holds them): a leaf whose tree path
+  ends with a parameter's path and whose shape is that parameter's gets the sharding
+  of the parameter's logical axes (`param_shardings`); every other leaf (step counts,
+  hyperparameters, Adafactor's factored moments) is replicated. When several
+  parameter paths end a leaf's path, the longest wins.
+  """
+  is_box = lambda x: isinstance(x, nn.Partitioned)
+  by_path = {}
+  for (path, box), sharding in zip(
+      jax.tree_util.tree_flatten_with_path(abstract_boxed_params, is_leaf=is_box)[0],
+      jax.tree.leaves(param_shardings(abstract_boxed_params, mesh))):
+    value = box.value if is_box(box) else box
+    by_path[tuple(path)] = (value.shape, sharding)
+  lengths = sorted({len(path) for path in by_path}, reverse=True)
+
+  def sharding(path, leaf):
+    for n in lengths:
+      if n <= len(path) and tuple(path[len(path) - n:]) in by_path:
+        shape, param_sharding = by_path[tuple(path[len(path) - n:])]
+        return param_sharding if shape == leaf.shape else replicated(mesh)
+    return replicated(mesh)
+
+  return jax.tree_util.tree_map_with_path(sharding, abstract_opt_state)
+
+
 def mesh_axes(mesh_axis_names: Sequence[str], logical_name: str) -> tuple[str, ...]:
   """Returns the mesh axes (those present in `mesh_axis_names`) that the rules map
   `logical_name` to, in order; () when it is replicated."""

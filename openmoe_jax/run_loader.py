@@ -9,10 +9,9 @@ import gin
 
 from openmoe_jax import gin_utils
 from openmoe_jax.checkpoints import Checkpointer
-from openmoe_jax.config import ModelConfig
+from openmoe_jax.config import ModelConfig, build_model_config
 from openmoe_jax.convert import params_export
 from openmoe_jax.data import pipeline, vocabulary
-from openmoe_jax.trainer import build_model_config
 
 
 @dataclasses.dataclass

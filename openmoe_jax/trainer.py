@@ -1,16 +1,16 @@
-"""The training loop: sharded init or resume, jitted steps, eval, metrics, checkpoints.
+"""Training: the train state, the Trainer that compiles the train and eval steps on a
+mesh, and the gin-configured `train()` that builds a run from gin and drives it.
 
-`train()` is gin-configured; the command line lives in train.py. MODEL_DIR receives
-checkpoints, TensorBoard events, metrics.jsonl and the operative config.gin.
+`train()` restores or initialises the state, writes checkpoints and metrics and runs
+the step loop of train_loop.py; the command line lives in train.py. MODEL_DIR
+receives checkpoints, TensorBoard events, metrics.jsonl and the operative config.gin.
 """
 import contextlib
+import copy
 import dataclasses
 import functools
 import math
 import os
-import signal
-import threading
-import time
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence
 
 import flax.linen as nn
@@ -23,15 +23,14 @@ import optax
 
 from openmoe_jax import gin_utils, partitioning
 from openmoe_jax.checkpoints import Checkpointer, abstract_with_shardings
-from openmoe_jax.config import ModelConfig
+from openmoe_jax.config import ModelConfig, build_model_config
 from openmoe_jax.convert import params_export
 from openmoe_jax.data import pipeline
-from openmoe_jax.metrics import MetricsLogger, ProgressPrinter
+from openmoe_jax.metrics import MetricsLogger
 from openmoe_jax.model import Decoder
 from openmoe_jax.objectives import CausalLm
 from openmoe_jax.optim import learning_rate
-
-VOCAB_MULTIPLE = 128  # embedding rows are padded so the vocab axis shards evenly
+from openmoe_jax.train_loop import LoopStage, TrainLoop
 
 
 @flax.struct.dataclass
@@ -43,22 +42,13 @@ class TrainState:
   opt_state: Any
 
 
-def build_model_config(model_config: Optional[ModelConfig], vocab_size: int) -> ModelConfig:
-  """Returns `model_config` (default: gin's ModelConfig()) with vocab_size filled in."""
-  cfg = model_config or ModelConfig()
-  if cfg.vocab_size is None:
-    cfg = cfg.replace(vocab_size=-(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE)
-  elif cfg.vocab_size < vocab_size:
-    raise ValueError(f"ModelConfig.vocab_size={cfg.vocab_size} is smaller than the "
-                     f"task vocabulary ({vocab_size})")
-  return cfg
-
-
 def init_train_state(model: nn.Module, optimizer: optax.GradientTransformation,
                      mesh, rng: jax.Array, sequence_length: int):
   """Returns (init_fn, abstract unboxed state, state shardings).
 
   init_fn(rng) creates the state directly in its shardings (no host holds it whole).
+  Parameters are sharded by their logical axes, optimizer moments like the parameter
+  they mirror (`partitioning.opt_state_shardings`), the step replicated.
   """
   def init_boxed(rng):
     params = model.init(rng, jnp.zeros((1, sequence_length), jnp.int32))["params"]
@@ -69,7 +59,8 @@ def init_train_state(model: nn.Module, optimizer: optax.GradientTransformation,
   shardings = TrainState(
       step=partitioning.replicated(mesh),
       params=partitioning.param_shardings(abstract.params, mesh),
-      opt_state=_opt_state_shardings(abstract, mesh))
+      opt_state=partitioning.opt_state_shardings(abstract.opt_state, abstract.params,
+                                                 mesh))
   init = jax.jit(lambda r: nn.unbox(init_boxed(r)), out_shardings=shardings)
   return init, _strip_boxes(abstract), shardings
 
@@ -79,21 +70,6 @@ def _strip_boxes(tree):
   so it also works on abstract values)."""
   is_box = lambda x: isinstance(x, nn.Partitioned)
   return jax.tree.map(lambda x: x.value if is_box(x) else x, tree, is_leaf=is_box)
-
-
-def _opt_state_shardings(abstract_state: TrainState, mesh):
-  """Returns shardings for the optimizer state: moments shaped like a parameter
-  follow that parameter's sharding; everything else is replicated."""
-  param_sh = partitioning.param_shardings(abstract_state.params, mesh)
-  params = _strip_boxes(abstract_state.params)
-  treedef = jax.tree.structure(params)
-  mirrors = lambda x: jax.tree.structure(x) == treedef
-  def shard(sub):
-    if not mirrors(sub):
-      return partitioning.replicated(mesh)
-    return jax.tree.map(lambda leaf, p, s: s if leaf.shape == p.shape
-                        else partitioning.replicated(mesh), sub, params, param_sh)
-  return jax.tree.map(shard, abstract_state.opt_state, is_leaf=mirrors)
 
 
 def make_train_step(model, objective, optimizer, microbatches: int = 1) -> Callable:
@@ -174,9 +150,72 @@ def evaluate(eval_step, params, batches: Iterator[Dict[str, np.ndarray]],
   return result
 
 
-def _mean_metrics(history) -> Dict[str, float]:
-  fetched = jax.device_get(history)
-  return {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
+class Trainer:
+  """A model, its objective and optimizer on a mesh: the train state's layout and
+  the compiled train and eval steps.
+
+  Methods take host-local batches (numpy, this process's rows) and place them on the
+  mesh. Build and call it inside `partitioning.activate(mesh)`.
+  """
+
+  def __init__(self, model: nn.Module, objective, optimizer: optax.GradientTransformation,
+               mesh, sequence_length: int, microbatches: int = 1):
+    self.model, self.objective, self.optimizer, self.mesh = (
+        model, objective, optimizer, mesh)
+    self.microbatches = microbatches
+    self._init, self.abstract_state, self.state_shardings = init_train_state(
+        model, optimizer, mesh, jax.random.PRNGKey(0), sequence_length)
+    self.batch_sharding = partitioning.batch_sharding(mesh)
+    self._compile_steps()
+
+  def _compile_steps(self):
+    replicated = partitioning.replicated(self.mesh)
+    self._train_step = jax.jit(
+        make_train_step(self.model, self.objective, self.optimizer, self.microbatches),
+        in_shardings=(self.state_shardings, self.batch_sharding, replicated),
+        out_shardings=(self.state_shardings, replicated), donate_argnums=(0,))
+    self._eval_step = jax.jit(make_eval_step(self.model, self.objective))
+
+  def with_objective(self, objective) -> "Trainer":
+    """Returns a Trainer with this one's model, optimizer, mesh and state layout whose
+    steps train and evaluate `objective`."""
+    other = copy.copy(self)
+    other.objective = objective
+    other._compile_steps()  # pylint: disable=protected-access
+    return other
+
+  def init_state(self, rng: jax.Array) -> TrainState:
+    """Returns a fresh TrainState at step 0, created in its shardings."""
+    return self._init(rng)
+
+  def abstract_state_with_shardings(self) -> TrainState:
+    """Returns the abstract TrainState carrying its shardings (a restore target)."""
+    return abstract_with_shardings(self.abstract_state, self.state_shardings)
+
+  def state_from_params(self, params, step: int) -> TrainState:
+    """Returns a TrainState at `step` holding `params` and a fresh optimizer state."""
+    fresh = jax.jit(lambda p: TrainState(step=jnp.asarray(step, jnp.int32), params=p,
+                                         opt_state=self.optimizer.init(p)),
+                    out_shardings=self.state_shardings)
+    return fresh(params)
+
+  def device_batch(self, batch: Dict[str, np.ndarray]) -> Dict[str, jax.Array]:
+    """Returns this process's rows of a batch as global arrays split over the mesh."""
+    return jax.tree.map(
+        lambda a: jax.make_array_from_process_local_data(self.batch_sharding, a), batch)
+
+  def train_step(self, state: TrainState, batch: Dict[str, np.ndarray], rng: jax.Array):
+    """Returns (new state, scalar metrics) after one optimizer step on `batch`.
+    `state` is donated: do not use it afterwards."""
+    return self._train_step(state, self.device_batch(batch), rng)
+
+  def eval_step(self, params, batch: Dict[str, np.ndarray]) -> Dict[str, jax.Array]:
+    """Returns the objective's scalar metrics on `batch` (eval capacity factor)."""
+    return self._eval_step(params, self.device_batch(batch))
+
+  def evaluate(self, params, batches: Iterator[Dict[str, np.ndarray]]) -> Dict[str, float]:
+    """Returns metrics averaged over `batches`, weighted by real target tokens."""
+    return evaluate(self._eval_step, params, batches, self.device_batch)
 
 
 @gin.configurable
@@ -226,34 +265,21 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
     raise ValueError(f"train.stages must start at step 0 and increase: {stages}")
   vocab = pipeline.vocabulary_for(mixture_or_task_name)
   cfg = build_model_config(model_config, vocab.vocab_size)
-  model = Decoder(cfg)
   mesh = partitioning.make_mesh(num_devices)
   shards = partitioning.batch_shards(mesh)
   if batch_size % (shards * microbatches) or batch_size % jax.process_count():
     raise ValueError(f"batch_size {batch_size} must be divisible by microbatches "
                      f"({microbatches}) x the {shards} batch shards of mesh "
                      f"{dict(mesh.shape)} (see make_mesh.* and train.microbatches)")
-  batch_sh = partitioning.batch_sharding(mesh)
-  to_device = lambda b: jax.tree.map(
-      lambda a: jax.make_array_from_process_local_data(batch_sh, a), b)
   rng = jax.random.PRNGKey(seed)
-  with partitioning.activate(mesh):
-    init, abstract, state_sh = init_train_state(model, optimizer, mesh, rng,
-                                                sequence_length)
+  with partitioning.activate(mesh), contextlib.ExitStack() as cleanup:
+    trainer = Trainer(Decoder(cfg), objective, optimizer, mesh, sequence_length,
+                      microbatches)
     ckpt = Checkpointer(model_dir, checkpoint_every_steps, keep_checkpoints)
-    if ckpt.latest_step() is not None:
-      state, position = ckpt.restore(
-          abstract_state=abstract_with_shardings(abstract, state_sh))
-      print_fn(f"Resumed from step {int(state.step)} in {model_dir}")
-    elif params_export.is_params_export(model_dir):
-      state, position = _start_from_params_export(
-          model_dir, optimizer, abstract, state_sh), {"train_batches": 0}
-      print_fn(f"Starting from the params export in {model_dir} at step "
-               f"{int(state.step)} (fresh optimizer state)")
-    else:
-      state, position = init(rng), {"train_batches": 0}
+    cleanup.callback(ckpt.close)  # waits for a checkpoint still being written
+    state, position = _initial_state(trainer, ckpt, model_dir, rng, print_fn)
     start = int(state.step)
-    _print_model_summary(print_fn, cfg, abstract.params, mesh)
+    _print_model_summary(print_fn, cfg, trainer.abstract_state.params, mesh)
     if start >= train_steps:
       print_fn(f"Nothing to train: the run is at step {start} and TRAIN_STEPS is "
                f"{train_steps} (raise --gin.TRAIN_STEPS to train further)")
@@ -262,55 +288,72 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
         pipeline.get_dataset, sequence_length=sequence_length,
         batch_size=batch_size // jax.process_count(), shard_index=jax.process_index(),
         num_shards=jax.process_count())
-
-    @functools.lru_cache(maxsize=None)
-    def stage_parts(index: int):
-      """Returns (train_step, run_eval, data) of stage `index`; data resumes."""
-      stage = stages[index]
-      stage_objective = stage.objective or objective
-      train_step = jax.jit(
-          make_train_step(model, stage_objective, optimizer, microbatches),
-          in_shardings=(state_sh, batch_sh, partitioning.replicated(mesh)),
-          out_shardings=(state_sh, partitioning.replicated(mesh)), donate_argnums=(0,))
-      eval_step = jax.jit(make_eval_step(model, stage_objective))
-      run_eval = lambda params: evaluate(eval_step, params, host_data(
-          stage.mixture_or_task_name, split=eval_split, shuffle=False, repeat=False,
-          num_batches=eval_batches), to_device)
-      skip = max(position["train_batches"] - stage.start_step, 0)
-      data = host_data(stage.mixture_or_task_name, seed=seed + index, skip_batches=skip)
-      if len(stages) > 1:
-        print_fn(f"Stage {index}: {stage.mixture_or_task_name} with "
-                 f"{type(stage_objective).__name__} from step {stage.start_step}")
-      return train_step, run_eval, data
-
-    parts = lambda step: stage_parts(stage_index(stages, step))
+    stage_for_step = _stage_schedule(
+        trainer, stages, host_data, rng=rng, seed=seed,
+        trained_batches=position["train_batches"], eval_split=eval_split,
+        eval_batches=eval_batches, print_fn=print_fn)
     logger = MetricsLogger(model_dir, is_chief=jax.process_index() == 0)
+    cleanup.callback(logger.close)
     # Rows past the step this run starts from belong to steps it will run again.
     dropped = logger.drop_rows_after(start if start > 0 else -1)
     if dropped:
       print_fn(f"Dropped {dropped} metrics.jsonl row(s) past step {start} (steps "
                "that ran after the last checkpoint; this run repeats them)")
-    loop = _Loop(parts, to_device, ckpt, logger, print_fn, rng,
-                 tokens_per_batch=batch_size * sequence_length)
+    loop = TrainLoop(stage_for_step, ckpt, logger, print_fn,
+                     tokens_per_batch=batch_size * sequence_length)
     summary = loop.run(state, train_steps, eval_every_steps, log_every_steps)
     if ckpt.saving_in_progress():
       print_fn(f"Waiting for the checkpoint of step {summary['final_step']} to be "
                "written ...")
-    ckpt.close()
-    logger.close()
   return summary
 
 
-def _start_from_params_export(model_dir, optimizer, abstract, state_sh) -> TrainState:
-  """Returns a TrainState holding a params export's parameters (restored straight
-  into their shardings), a fresh optimizer state and the export's step."""
-  params = params_export.restore(
-      model_dir, abstract_with_shardings(abstract.params, state_sh.params))
-  step = params_export.read_metadata(model_dir)["step"]
-  fresh = jax.jit(lambda p: TrainState(step=jnp.asarray(step, jnp.int32), params=p,
-                                       opt_state=optimizer.init(p)),
-                  out_shardings=state_sh)
-  return fresh(params)
+def _initial_state(trainer: Trainer, ckpt: Checkpointer, model_dir: str,
+                   rng: jax.Array, print_fn) -> tuple:
+  """Returns (state, data position): the newest checkpoint's, else a params
+  export's parameters with a fresh optimizer state, else a fresh state."""
+  if ckpt.latest_step() is not None:
+    state, position = ckpt.restore(
+        abstract_state=trainer.abstract_state_with_shardings())
+    print_fn(f"Resumed from step {int(state.step)} in {model_dir}")
+    return state, position
+  if params_export.is_params_export(model_dir):
+    params = params_export.restore(model_dir, abstract_with_shardings(
+        trainer.abstract_state.params, trainer.state_shardings.params))
+    state = trainer.state_from_params(
+        params, params_export.read_metadata(model_dir)["step"])
+    print_fn(f"Starting from the params export in {model_dir} at step "
+             f"{int(state.step)} (fresh optimizer state)")
+    return state, {"train_batches": 0}
+  return trainer.init_state(rng), {"train_batches": 0}
+
+
+def _stage_schedule(trainer: Trainer, stages: Sequence[Stage], host_data, *, rng, seed,
+                    trained_batches: int, eval_split: str, eval_batches: int,
+                    print_fn) -> Callable[[int], LoopStage]:
+  """Returns stage_for_step(step) -> the LoopStage that runs training step `step`.
+
+  A stage is built when its first step comes: its Trainer (train's, or one for the
+  stage's own objective) and its training data, resumed past `trained_batches`.
+  """
+  @functools.lru_cache(maxsize=None)
+  def build(index: int) -> LoopStage:
+    stage = stages[index]
+    same = stage.objective is None or stage.objective is trainer.objective
+    stage_trainer = trainer if same else trainer.with_objective(stage.objective)
+    skip = max(trained_batches - stage.start_step, 0)
+    batches = host_data(stage.mixture_or_task_name, seed=seed + index, skip_batches=skip)
+    if len(stages) > 1:
+      print_fn(f"Stage {index}: {stage.mixture_or_task_name} with "
+               f"{type(stage_trainer.objective).__name__} from step {stage.start_step}")
+    return LoopStage(
+        train_step=lambda state, batch: stage_trainer.train_step(state, batch, rng),
+        evaluate=lambda params: stage_trainer.evaluate(params, host_data(
+            stage.mixture_or_task_name, split=eval_split, shuffle=False, repeat=False,
+            num_batches=eval_batches)),
+        batches=batches)
+
+  return lambda step: build(stage_index(stages, step))
 
 
 def maybe_initialize_distributed(enabled: Optional[bool]) -> bool:
@@ -325,148 +368,6 @@ def maybe_initialize_distributed(enabled: Optional[bool]) -> bool:
   if enabled:
     jax.distributed.initialize()
   return bool(enabled)
-
-
-class _Loop:
-  """Runs the steps with periodic logging, evaluation and checkpoints."""
-
-  def __init__(self, parts, to_device, ckpt, logger, print_fn, rng, tokens_per_batch):
-    # parts(step) -> (train_step, run_eval, data iterator) of the stage running `step`.
-    self.parts, self.to_device = parts, to_device
-    self.ckpt, self.logger, self.print_fn = ckpt, logger, print_fn
-    self.rng, self.tokens_per_batch = rng, tokens_per_batch
-    self.summary: Dict[str, Any] = {}
-    self.steady_tokens_per_sec, self.all_tokens_per_sec = [], []
-
-  def evaluate(self, step, params, write=True):
-    """Prints (and, if `write`, logs) validation metrics at `step`."""
-    metrics = self.parts(step)[1](params)
-    if write:
-      self.logger.write(step, {f"eval/{k}": v for k, v in metrics.items()})
-    self.summary.setdefault("first_eval_ce_loss", metrics["ce_loss"])
-    self.summary["last_eval_ce_loss"] = metrics["ce_loss"]
-    # Older names of the two values above, kept for scripts reading the summary.
-    self.summary["first_eval_loss"] = self.summary["first_eval_ce_loss"]
-    self.summary["last_eval_loss"] = metrics["ce_loss"]
-    self.summary["last_eval_metrics"] = metrics
-    self.print_fn(f"eval @ step {step}: ce_loss {metrics['ce_loss']:.4f} "
-                  f"accuracy {metrics['accuracy']:.3f} "
-                  f"drop_fraction {metrics.get('moe/drop_fraction', 0.0):.3f}")
-
-  def log(self, step, history, window_start, compiled_in_window, progress):
-    """Writes the mean metrics of the steps in `history` and a progress line."""
-    # Fetching the metrics waits for the window's steps (dispatch is asynchronous),
-    # so the clock is read after it.
-    means = _mean_metrics(history)
-    tokens_per_sec = len(history) * self.tokens_per_batch / (
-        time.perf_counter() - window_start)
-    self.all_tokens_per_sec.append(tokens_per_sec)
-    if not compiled_in_window:
-      self.steady_tokens_per_sec.append(tokens_per_sec)
-    # Routing statistics of training batches go under "moe/", as TensorBoard groups.
-    scalars = {k if k.startswith("moe/") else f"train/{k}": v
-               for k, v in means.items()}
-    scalars["train/tokens_per_sec"] = tokens_per_sec
-    self.logger.write(step, scalars)
-    # `loss` everywhere (progress line, summary, metrics.jsonl) is the objective's
-    # total: cross-entropy plus the auxiliary (router, z) losses; `ce_loss` is the
-    # cross-entropy alone, the number evaluation reports.
-    progress.update(step, scalars["train/loss"], tokens_per_sec)
-    self.summary["last_train_loss"] = scalars["train/loss"]
-    self.summary["last_train_ce_loss"] = scalars["train/ce_loss"]
-    self.summary["last_train_metrics"] = scalars
-
-  def run(self, state, train_steps, eval_every, log_every) -> Dict[str, Any]:
-    """Trains from state.step to train_steps; returns the run summary."""
-    start = int(state.step)
-    self.summary["start_step"] = start
-    if start == 0 or start >= train_steps:
-      # A resumed run with nothing left evaluates again without a second row.
-      self.evaluate(start, state.params, write=start == 0)
-    progress = ProgressPrinter(train_steps, start, print_fn=self.print_fn)
-    with stop_signals() as stop:
-      state = self._steps(state, start, train_steps, eval_every, log_every, progress,
-                          stop)
-      final_step = int(state.step)
-      if self.ckpt.latest_step() != final_step:
-        self.ckpt.save(final_step, state, {"train_batches": final_step}, force=True)
-    self.summary["final_step"] = final_step
-    self.summary["preempted"] = bool(stop)
-    self.summary["interrupted"] = "SIGINT" in stop
-    if stop:
-      how = "Ctrl-C" if "SIGINT" in stop else stop[0]
-      self.print_fn(f"{how}: stopped after step {final_step}; checkpoint saved in "
-                    f"{self.ckpt.directory}/{final_step}. Run the same command again "
-                    "to resume from it.")
-    # Windows that included compilation count only when no other window exists.
-    rates = self.steady_tokens_per_sec or self.all_tokens_per_sec
-    self.summary["tokens_per_sec"] = float(np.mean(rates)) if rates else None
-    return self.summary
-
-  def _steps(self, state, start, train_steps, eval_every, log_every, progress, stop):
-    """Runs the steps until train_steps or a stop signal; returns the last state.
-
-    At most one step waits in the device queue behind the one running, so a
-    signal is acted on after the step in flight, not after a queue of them.
-    """
-    history, window_start, previous = [], time.perf_counter(), None
-    for step in range(start + 1, train_steps + 1):
-      train_step, _, data = self.parts(step)
-      state, metrics = train_step(state, self.to_device(next(data)), self.rng)
-      history.append(metrics)
-      if previous is not None:
-        jax.block_until_ready(previous)
-      previous = metrics
-      if step % log_every == 0 or step == train_steps or (stop and history):
-        self.log(step, history, window_start,
-                 compiled_in_window=step - len(history) == start, progress=progress)
-        history, window_start = [], time.perf_counter()
-      # The last step's checkpoint is forced here, so that it is written while the
-      # final evaluation runs rather than after it.
-      self.ckpt.save(step, state, {"train_batches": step},
-                     force=step == train_steps or bool(stop))
-      if stop:
-        break
-      if step % eval_every == 0 or step == train_steps:
-        if step == train_steps:
-          self.print_fn(f"Final evaluation at step {step} ...")
-        self.evaluate(step, state.params)
-        window_start = time.perf_counter()
-    return state
-
-
-@contextlib.contextmanager
-def stop_signals(signals=(signal.SIGTERM, signal.SIGINT)):
-  """Yields a list that receives the name of each stop signal that arrives
-  ("SIGTERM": TPU VMs get one before maintenance or preemption; "SIGINT": Ctrl-C).
-
-  The loop stops after the step in flight. After a first SIGINT, Ctrl-C gets its
-  default action back: a second one kills the process at once. Previous handlers
-  are restored on exit. Off the main thread no handler can be installed and the
-  list stays empty.
-  """
-  flag = []
-  if threading.current_thread() is not threading.main_thread():
-    yield flag
-    return
-
-  def on_signal(signum, frame):
-    del frame
-    name = signal.Signals(signum).name
-    flag.append(name)
-    if signum == signal.SIGINT:
-      signal.signal(signal.SIGINT, signal.SIG_DFL)
-      # os.write: safe inside a handler, where print could meet a half-done print.
-      os.write(2, b"\nCtrl-C: finishing the step in flight, then saving a checkpoint"
-               b" (press Ctrl-C again to abort at once, without it)\n")
-
-  previous = {s: signal.signal(s, on_signal) for s in signals}
-  try:
-    yield flag
-  finally:
-    for s, handler in previous.items():
-      if not (s == signal.SIGINT and "SIGINT" in flag):  # keep: 2nd Ctrl-C kills
-        signal.signal(s, handler)
 
 
 def _print_model_summary(print_fn, cfg: ModelConfig, abstract_params, mesh):

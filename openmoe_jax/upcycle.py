@@ -25,12 +25,12 @@ import numpy as np
 from openmoe_jax import gin_utils, partitioning
 from openmoe_jax.cli import flags
 from openmoe_jax.checkpoints import Checkpointer
-from openmoe_jax.config import ModelConfig
+from openmoe_jax.config import ModelConfig, build_model_config
 from openmoe_jax.data import pipeline
 from openmoe_jax.layers.mlp import wi_0_width
 from openmoe_jax.model import Decoder, get_layer, layer_slots, set_layer
 from openmoe_jax.run_loader import load_run, query, restore_params
-from openmoe_jax.trainer import TrainState, build_model_config, init_train_state
+from openmoe_jax.trainer import TrainState, init_train_state
 
 def split_ffn_into_experts(mlp: Dict, kind: str, num_experts: int,
                            expert_d_ff: int) -> Dict[str, np.ndarray]:

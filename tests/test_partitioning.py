@@ -3,6 +3,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -123,3 +124,63 @@ def test_indivisible_dims_stay_whole():
   shardings = partitioning.param_shardings(boxed, mesh)
   assert shardings["ok"].spec == P("data", None)
   assert shardings["odd"].spec == P(None, None)
+
+
+def _square_params():
+  """Two parameters of one shape with different logical axes, and a vector."""
+  box = lambda shape, names: nn.LogicallyPartitioned(
+      jax.ShapeDtypeStruct(shape, jnp.float32), names)
+  return {"mlp": {"wi": box((32, 32), ("embed", "mlp")),
+                  "wo": box((32, 32), ("mlp", "embed"))},
+          "norm": {"scale": box((32,), ("embed",))}}
+
+
+@pytest.mark.parametrize("make_tx", [
+    lambda: optax.adamw(1e-3),
+    lambda: optax.chain(optax.clip_by_global_norm(1.0),
+                        optax.inject_hyperparams(optax.adam)(1e-3)),
+    # Each transform's moments mirror only the parameters it owns (the rest are
+    # MaskedNodes), so no moment subtree has the whole parameter tree's shape.
+    lambda: optax.multi_transform(
+        {"adam": optax.adam(1e-3), "momentum": optax.sgd(1e-3, 0.9)},
+        {"mlp": {"wi": "adam", "wo": "momentum"}, "norm": {"scale": "adam"}}),
+], ids=["adamw", "chain_inject", "multi_transform"])
+def test_optimizer_moments_take_their_parameters_shardings(make_tx):
+  mesh = partitioning.make_mesh(data=1, fsdp=2, tensor=4)
+  boxed = _square_params()
+  param_sh = partitioning.param_shardings(boxed, mesh)
+  assert param_sh["mlp"]["wi"].spec == P("fsdp", "tensor")
+  assert param_sh["mlp"]["wo"].spec == P("tensor", "fsdp")
+  abstract = jax.eval_shape(make_tx().init, nn.unbox(boxed))
+  shardings = partitioning.opt_state_shardings(abstract, boxed, mesh)
+  by_param = {jax.tree_util.keystr(p): s
+              for p, s in jax.tree_util.tree_flatten_with_path(param_sh)[0]}
+  moments = 0
+  for path, sharding in jax.tree_util.tree_flatten_with_path(shardings)[0]:
+    name = jax.tree_util.keystr(path)
+    owner = [p for p in by_param if name.endswith(p)]
+    if owner:  # a moment of that parameter
+      moments += 1
+      assert sharding == by_param[owner[0]], name
+    else:  # counts, hyperparameters
+      assert sharding.spec == P(), name
+  assert moments >= 3
+  # Adam's moment trees, where they mirror the whole parameter tree: leaf for leaf.
+  for sub in jax.tree.leaves(shardings, is_leaf=lambda x: hasattr(x, "mu")):
+    if hasattr(sub, "mu") and jax.tree.structure(sub.mu) == jax.tree.structure(param_sh):
+      assert sub.mu == param_sh and sub.nu == param_sh
+
+
+def test_factored_moments_are_replicated():
+  mesh = partitioning.make_mesh(data=1, fsdp=2, tensor=4)
+  boxed = _square_params()
+  tx = optax.adafactor(1e-2, min_dim_size_to_factor=8)
+  abstract = jax.eval_shape(tx.init, nn.unbox(boxed))
+  shardings = partitioning.opt_state_shardings(abstract, boxed, mesh)
+  flat = jax.tree_util.tree_flatten_with_path(shardings)[0]
+  specs = {jax.tree_util.keystr(path): s.spec for path, s in flat}
+  # v_row/v_col of a matrix end with its path but not its shape (here: the vector's).
+  factored = [k for k in specs if "v_row" in k or "v_col" in k]
+  assert factored and all(specs[k] == P() for k in factored)
+  assert [specs[k] for k in specs if k.endswith(".v['norm']['scale']")] == [P("fsdp")]
+

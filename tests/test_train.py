@@ -202,3 +202,23 @@ def test_staged_training_switches_mixture_and_objective_and_resumes(tmp_path):
   expected, got = _train_losses(straight), _train_losses(resumed)
   for step in (3, 4):
     assert got[step] == expected[step]
+
+
+def test_a_failing_run_still_closes_the_checkpointer_and_the_metrics_writers(
+    tmp_path, monkeypatch):
+  from openmoe_jax import checkpoints, metrics, train_loop  # pylint: disable=g-import-not-at-top
+  closed = []
+  for cls in (checkpoints.Checkpointer, metrics.MetricsLogger):
+    original = cls.close
+    def close(self, original=original, name=cls.__name__):
+      closed.append(name)
+      return original(self)
+    monkeypatch.setattr(cls, "close", close)
+  def crash(self, state, *args, **kwargs):
+    del self, state, args, kwargs
+    raise RuntimeError("device lost")
+  monkeypatch.setattr(train_loop.TrainLoop, "run", crash)
+  _configure(str(tmp_path / "run"), 2, ["adamw_warmup_cosine.warmup_steps = 1"])
+  with pytest.raises(RuntimeError, match="device lost"):
+    train(print_fn=lambda *_: None)
+  assert sorted(closed) == ["Checkpointer", "MetricsLogger"]

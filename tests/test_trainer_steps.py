@@ -12,6 +12,7 @@ import pytest
 from openmoe_jax.config import ModelConfig, MoeConfig
 from openmoe_jax.model import Decoder
 from openmoe_jax.objectives import CausalLm
+from openmoe_jax.train_loop import LoopStage, TrainLoop, stop_signals
 from openmoe_jax.trainer import TrainState, make_train_step
 
 CFG = ModelConfig(vocab_size=64, d_model=16, num_heads=2, head_dim=8, d_ff=24,
@@ -71,11 +72,10 @@ def test_multi_host_detection(monkeypatch, hosts, expected):
 
 def test_reported_throughput_waits_for_the_asynchronous_steps():
   import time  # pylint: disable=g-import-not-at-top
-  from openmoe_jax import trainer  # pylint: disable=g-import-not-at-top
   heavy = jax.jit(lambda x: jnp.linalg.matrix_power(x @ x.T, 40))
   x = jnp.ones((384, 384)) / 384
 
-  def slow_step(state, batch, rng):
+  def slow_step(state, batch):
     return state, {"loss": jnp.sum(heavy(x)), "ce_loss": jnp.float32(1.0)}
 
   heavy(x).block_until_ready()
@@ -86,9 +86,9 @@ def test_reported_throughput_waits_for_the_asynchronous_steps():
     def write(self, *a, **k): return {}
 
   data = iter(lambda: {}, None)
-  parts = lambda step: (slow_step, lambda p: {"ce_loss": 0.0, "accuracy": 0.0}, data)
-  loop = trainer._Loop(parts, lambda b: b, _Null(), _Null(), lambda *_: None, None,
-                       tokens_per_batch=1000)
+  stage = LoopStage(slow_step, lambda p: {"ce_loss": 0.0, "accuracy": 0.0}, data)
+  loop = TrainLoop(lambda step: stage, _Null(), _Null(), lambda *_: None,
+                   tokens_per_batch=1000)
   state = TrainState(jnp.zeros((), jnp.int32), {}, ())
   start = time.perf_counter()
   summary = loop.run(state, train_steps=12, eval_every=1000, log_every=4)
@@ -104,7 +104,7 @@ def test_stage_index_follows_the_schedule():
 
 
 class _Recorder:
-  """Stands in for the Checkpointer and the MetricsLogger of `_Loop`."""
+  """Stands in for the Checkpointer and the MetricsLogger of `TrainLoop`."""
 
   directory = "/ckpt"
 
@@ -125,9 +125,8 @@ class _Recorder:
 
 
 def _counting_loop(on_batch, lines):
-  """Returns (_Loop, recorder) over a step that only counts (state.step + 1)."""
-  from openmoe_jax import trainer  # pylint: disable=g-import-not-at-top
-  step_fn = jax.jit(lambda state, batch, rng: (
+  """Returns (TrainLoop, recorder) over a step that only counts (state.step + 1)."""
+  step_fn = jax.jit(lambda state, batch: (
       state.replace(step=state.step + 1), {"loss": jnp.float32(2.0),
                                            "ce_loss": jnp.float32(1.5)}))
   def data():
@@ -139,8 +138,9 @@ def _counting_loop(on_batch, lines):
   batches = data()
   evaluate = lambda p: {"ce_loss": 3.0, "accuracy": 0.0}
   recorder = _Recorder()
-  loop = trainer._Loop(lambda step: (step_fn, evaluate, batches), lambda b: b, recorder,
-                       recorder, lines.append, None, tokens_per_batch=10)
+  stage = LoopStage(step_fn, evaluate, batches)
+  loop = TrainLoop(lambda step: stage, recorder, recorder, lines.append,
+                   tokens_per_batch=10)
   return loop, recorder
 
 
@@ -163,9 +163,8 @@ def test_a_stop_signal_stops_after_the_step_in_flight(signum):
 
 
 def test_a_first_ctrl_c_leaves_the_second_to_kill():
-  from openmoe_jax import trainer  # pylint: disable=g-import-not-at-top
   try:
-    with trainer.stop_signals() as stop:
+    with stop_signals() as stop:
       os.kill(os.getpid(), signal.SIGINT)
       assert stop == ["SIGINT"]
       assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
@@ -177,13 +176,12 @@ def test_a_first_ctrl_c_leaves_the_second_to_kill():
 def test_the_loop_keeps_at_most_one_step_queued():
   # Asynchronous dispatch would otherwise run far ahead of the device, and a stop
   # signal would wait for every queued step.
-  from openmoe_jax import trainer  # pylint: disable=g-import-not-at-top
   outputs, queued = [], []
   x = jnp.ones((256, 256)) / 256
   heavy = jax.jit(lambda state: (state.replace(step=state.step + 1), jnp.sum(
       jnp.linalg.matrix_power(x @ x.T, 30))))
 
-  def slow_step(state, batch, rng):
+  def slow_step(state, batch):
     state, y = heavy(state)
     outputs.append(y)
     return state, {"loss": y, "ce_loss": y}
@@ -194,9 +192,9 @@ def test_the_loop_keeps_at_most_one_step_queued():
       yield {}
   batches = data()
   recorder = _Recorder()
-  loop = trainer._Loop(lambda s: (slow_step, lambda p: {"ce_loss": 0.0, "accuracy": 0.0},
-                                  batches), lambda b: b, recorder, recorder,
-                       lambda *_: None, None, tokens_per_batch=1)
+  stage = LoopStage(slow_step, lambda p: {"ce_loss": 0.0, "accuracy": 0.0}, batches)
+  loop = TrainLoop(lambda s: stage, recorder, recorder, lambda *_: None,
+                   tokens_per_batch=1)
   loop.run(TrainState(jnp.zeros((), jnp.int32), {}, ()), train_steps=20,
            eval_every=1000, log_every=1000)
   assert max(queued) <= 1, queued
@@ -222,3 +220,28 @@ def test_losses_are_named_as_in_the_metrics_file():
   # is the cross-entropy alone, like the evaluation's.
   assert summary["last_train_loss"] == 2.0 and summary["last_train_ce_loss"] == 1.5
   assert summary["first_eval_ce_loss"] == summary["last_eval_ce_loss"] == 3.0
+
+
+def test_trainer_places_adam_moments_like_their_parameters():
+  from openmoe_jax import partitioning  # pylint: disable=g-import-not-at-top
+  from openmoe_jax.trainer import Trainer  # pylint: disable=g-import-not-at-top
+  mesh = partitioning.make_mesh(data=2, fsdp=2, tensor=2)
+  with partitioning.activate(mesh):
+    trainer = Trainer(Decoder(CFG), CausalLm(),
+                      optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3), mesh,
+                      sequence_length=16)
+    state = trainer.init_state(jax.random.PRNGKey(0))
+    adam = _adam_state(state.opt_state)
+    param_sh = jax.tree.map(lambda a: a.sharding, state.params)
+    assert jax.tree.map(lambda a: a.sharding, adam.mu) == param_sh
+    assert jax.tree.map(lambda a: a.sharding, adam.nu) == param_sh
+    assert any(s.spec != jax.sharding.PartitionSpec() for s in jax.tree.leaves(param_sh))
+    state, metrics = trainer.train_step(state, _batch(), jax.random.PRNGKey(1))
+    assert int(state.step) == 1 and np.isfinite(float(metrics["loss"]))
+    assert jax.tree.map(lambda a: a.sharding, _adam_state(state.opt_state).mu) == param_sh
+
+
+def _adam_state(opt_state):
+  """Returns the ScaleByAdamState inside `opt_state`."""
+  is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)
+  return next(x for x in jax.tree.leaves(opt_state, is_leaf=is_adam) if is_adam(x))

@@ -23,13 +23,12 @@ import numpy as np
 
 from openmoe_jax import gin_utils, run_loader
 from openmoe_jax.cli import flags
-from openmoe_jax.config import ModelConfig
+from openmoe_jax.config import ModelConfig, build_model_config
 from openmoe_jax.convert import hf_io, hf_native, params_export, registry
 from openmoe_jax.convert.layout import ConversionError
 from openmoe_jax.convert.t5x_reader import T5xCheckpoint
 from openmoe_jax.data import pipeline
 from openmoe_jax.model import Decoder
-from openmoe_jax.trainer import build_model_config
 
 EXAMPLES_LIST = [
     "openmoe-convert from-t5x --checkpoint=/ckpt/openmoe_base/checkpoint_500000 "
