@@ -16,7 +16,7 @@ from openmoe_jax.moe.routers_expert_choice import ExpertChoiceRouter
 from openmoe_jax.objectives import MaskedDiffusion, diffusion_elbo
 from openmoe_jax.objectives import diffusion as dl
 from openmoe_jax.data.vocabulary import get_vocabulary, mask_token_id
-from openmoe_jax.sampling_diffusion import (gumbel_argmax, sample_diffusion,
+from openmoe_jax.decoding.diffusion import (gumbel_argmax, sample_diffusion,
                                             transfer_schedule)
 
 V, MASK = 64, 3
