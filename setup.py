@@ -3,7 +3,8 @@
 Two top-level folders of the repository are installed inside the package:
 
 - ``tasks/`` (seqio Task/Mixture registrations) becomes ``openmoe_jax.tasks``;
-  there is never a bare top-level ``tasks`` package.
+  there is never a bare top-level ``tasks`` package (a checkout run without
+  install gets the same name from ``openmoe_jax/_source_tasks.py``).
 - ``gin/`` (models/, objectives/, runs/, experiments/) becomes the data folder
   ``openmoe_jax/gin_configs``; ``openmoe_jax.gin_utils`` puts it on the gin search path.
 """
@@ -84,16 +85,17 @@ setuptools.setup(
                  "jax[tpu]>=0.10.2,<0.11", "torch>=2.6", "transformers>=5.0,<6"],
         "tpu": ["jax[tpu]>=0.10.2,<0.11"],
     },
+    # Every program lives in openmoe_jax/cli/ (`python -m openmoe_jax.cli.<name>`).
     entry_points={
         "console_scripts": [
-            "openmoe-train=openmoe_jax.train:main",
-            "openmoe-analyze=openmoe_jax.analysis.cli:main",
-            "openmoe-params=openmoe_jax.param_count:main",
-            "openmoe-plan=openmoe_jax.plan:main",
-            "openmoe-sample=openmoe_jax.sample:main",
-            "openmoe-eval=openmoe_jax.evaluate:main",
-            "openmoe-upcycle=openmoe_jax.upcycle:main",
-            "openmoe-ablate=openmoe_jax.ablate:main",
+            "openmoe-train=openmoe_jax.cli.train:main",
+            "openmoe-analyze=openmoe_jax.cli.analyze:main",
+            "openmoe-params=openmoe_jax.cli.params:main",
+            "openmoe-plan=openmoe_jax.cli.plan:main",
+            "openmoe-sample=openmoe_jax.cli.sample:main",
+            "openmoe-eval=openmoe_jax.cli.evaluate:main",
+            "openmoe-upcycle=openmoe_jax.cli.upcycle:main",
+            "openmoe-ablate=openmoe_jax.cli.ablate:main",
             "openmoe-convert=openmoe_jax.cli.convert:main",
         ],
     },

@@ -1,19 +1,15 @@
-"""Total and activated parameter counts of any gin-configured model.
-
-`openmoe-params --gin_file=models/openmoe_8b_32e.gin` prints them without allocating
-the model (jax.eval_shape). "Activated" counts what one token touches: every
-non-expert parameter plus top_k of the E experts in each MoE layer.
+"""Total and activated parameter counts of any gin-configured model, without
+allocating the model (jax.eval_shape); `openmoe-params` (cli/params.py) prints
+them. "Activated" counts what one token touches: every non-expert parameter plus
+top_k of the E experts in each MoE layer.
 """
 import math
-import sys
 from typing import Dict
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from openmoe_jax import gin_utils
-from openmoe_jax.cli import flags
 from openmoe_jax.config import ModelConfig
 from openmoe_jax.model import Decoder
 
@@ -51,39 +47,3 @@ def format_counts(name: str, counts: Dict[str, int]) -> str:
   return (f"{name}: total {b(counts['total'])}, activated {b(counts['activated'])} "
           f"(non-embedding {b(counts['activated_non_embedding'])}), embedding + head "
           f"{b(counts['embedding'])}, routed experts {b(counts['experts'])}")
-
-
-PROGRAM = flags.Program(
-    "openmoe-params",
-    "Print the total and activated parameter counts of a gin-configured model "
-    "without allocating it (jax.eval_shape). Activated: what one token touches, "
-    "every non-expert parameter plus top_k of the E experts of each MoE layer.",
-    ["openmoe-params --gin_file=models/openmoe_8b_32e.gin",
-     "openmoe-params --gin_file=models/quickstart_moe.gin "
-     "--gin.ModelConfig.vocab_size=8192"],
-    gin=True)
-
-
-def _run(args, gin_flags: flags.GinFlags) -> int:
-  del args
-  if not gin_flags.files:
-    raise flags.UsageError("--gin_file is required: the model to count")
-  gin_utils.import_configurables()
-  gin_utils.parse_gin(gin_flags.files, gin_flags.bindings, gin_flags.search_paths,
-                      finalize=False)
-  cfg = ModelConfig()
-  if cfg.vocab_size is None:
-    raise flags.UsageError("the model's vocab_size is unset: add "
-                           "--gin.ModelConfig.vocab_size=N")
-  print(format_counts(", ".join(gin_flags.files), count_params(cfg)))
-  return 0
-
-
-def main(argv=None) -> int:
-  """CLI: parses gin flags, prints the model's parameter counts; returns the exit
-  code (0, or 2 on bad input)."""
-  return PROGRAM.main(_run, argv)
-
-
-if __name__ == "__main__":
-  sys.exit(main())

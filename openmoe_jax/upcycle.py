@@ -1,4 +1,5 @@
-"""Sparse upcycling: turn a trained dense checkpoint into an MoE checkpoint.
+"""Sparse upcycling: turn a trained dense checkpoint into an MoE checkpoint (the
+command line is cli/upcycle.py).
 
   openmoe-upcycle --dense_checkpoint=/tmp/dense --output=/tmp/moe \\
       --gin_file=runs/ablate_tiny.gin --gin_file=experiments/openmoe2/upcycled.gin
@@ -16,14 +17,12 @@ MODEL_DIR with a step-0 checkpoint: train with the same gin files and
 """
 import json
 import os
-import sys
 from typing import Any, Dict, List
 
 import jax
 import numpy as np
 
 from openmoe_jax import gin_utils, partitioning
-from openmoe_jax.cli import flags
 from openmoe_jax.checkpoints import Checkpointer
 from openmoe_jax.config import ModelConfig, build_model_config
 from openmoe_jax.data import pipeline
@@ -140,37 +139,3 @@ def upcycle(dense_dir: str, output_dir: str, gin_files: List[str],
            + " ".join(f"--gin_file={g}" for g in gin_files)
            + f" --gin.MODEL_DIR={output_dir}")
   return summary
-
-
-PROGRAM = flags.Program(
-    "openmoe-upcycle",
-    "Sparse upcycling: turn a trained dense checkpoint into a step-0 MoE checkpoint "
-    "(each dense FFN becomes the experts of the MoE layer at the same depth; fresh "
-    "routers and optimizer state). The gin files describe the MoE run exactly as "
-    "openmoe-train is given them.",
-    ["openmoe-upcycle --dense_checkpoint=/tmp/dense --output=/tmp/moe "
-     "--gin_file=runs/ablate_tiny.gin --gin_file=experiments/openmoe2/upcycled.gin"],
-    gin=True)
-PROGRAM.add("--dense_checkpoint", required=True, metavar="DIR",
-            help="MODEL_DIR of the trained dense run")
-PROGRAM.add("--output", required=True, metavar="DIR",
-            help="MODEL_DIR to create for the MoE run")
-PROGRAM.add("--step", type=int, default=None, help="dense step (default: the newest)")
-PROGRAM.add("--seed", type=int, default=0, help="seed of the fresh routers")
-
-
-def _run(args, gin_flags: flags.GinFlags) -> int:
-  if not gin_flags.files:
-    raise flags.UsageError("--gin_file is required: the MoE run's gin files")
-  upcycle(args.dense_checkpoint, args.output, gin_flags.files, gin_flags.bindings,
-          step=args.step, seed=args.seed)
-  return 0
-
-
-def main(argv=None) -> int:
-  """CLI entry point; returns the exit code (0, or 2 on bad input)."""
-  return PROGRAM.main(_run, argv)
-
-
-if __name__ == "__main__":
-  sys.exit(main())

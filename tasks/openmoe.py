@@ -22,6 +22,7 @@ import gin
 import seqio
 
 from openmoe_jax.data import sources as sources_lib
+from openmoe_jax.tasks import builders
 
 PREFIX = "openmoe_"
 UL2_SUFFIX = "_ul2"
@@ -103,14 +104,13 @@ def register_openmoe_mixtures(
   `vocabulary` None is the corpus vocabulary; OpenMoE used umT5's
   (`@umt5/sentencepiece_vocabulary()` with extra_ids = 300).
   """
-  from openmoe_jax import tasks  # pylint: disable=g-import-not-at-top
   sources = openmoe_sources()
   used = sorted({s for v in versions for s in OPENMOE_MIXTURES[v]})
   names = []
   for objective in objectives:
     suffix = UL2_SUFFIX if objective == "ul2" else ""
     for source in used:
-      tasks.make_source_task(PREFIX + source + suffix, sources[source],
+      builders.make_source_task(PREFIX + source + suffix, sources[source],
                              vocabulary, objective=objective)
       names.append(PREFIX + source + suffix)
     for version in versions:

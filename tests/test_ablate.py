@@ -7,6 +7,7 @@ import gin
 import pytest
 
 from openmoe_jax import ablate, gin_utils
+from openmoe_jax.cli import ablate as ablate_cli
 
 EXPECTED_ARMS = {
     "tc_softmax", "tc_sigmoid", "tc_dropless", "tc_scaling", "ec_batch", "ec_sequence",
@@ -19,16 +20,16 @@ TINY = ["--gin.train.num_devices=1", "--gin.BATCH_SIZE=4", "--gin.SEQUENCE_LENGT
 
 def test_every_ablation_of_the_issue_has_an_arm(capsys):
   assert set(ablate.available_arms()) == EXPECTED_ARMS
-  assert ablate.main(["--list"]) == 0
+  assert ablate_cli.main(["--list"]) == 0
   assert set(capsys.readouterr().out.split()) == EXPECTED_ARMS
 
 
 def test_bad_arguments(capsys):
   with pytest.raises(ValueError, match="unknown arms"):
     ablate.run_arms(["nope"], 2, "/tmp/unused", "runs/ablate_tiny.gin")
-  assert ablate.main(["--gin_file=models/quickstart_moe.gin"]) == 2
+  assert ablate_cli.main(["--gin_file=models/quickstart_moe.gin"]) == 2
   assert "--run_gin" in capsys.readouterr().err
-  assert ablate.main(["--stepz=3"]) == 2
+  assert ablate_cli.main(["--stepz=3"]) == 2
   assert "--stepz" in capsys.readouterr().err
 
 
@@ -82,7 +83,7 @@ def _check_row(r):
 @pytest.mark.parametrize("arm", sorted(EXPECTED_ARMS - {"dense"}))
 def test_two_steps_of_each_arm(arm, tmp_path, capsys):
   if arm == "tc_softmax":
-    assert ablate.main([f"--output={tmp_path}", "--steps=2", "--json",
+    assert ablate_cli.main([f"--output={tmp_path}", "--steps=2", "--json",
                         f"--arms={arm}"] + TINY) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["arm"] for r in rows] == [arm]

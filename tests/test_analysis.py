@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 from openmoe_jax import gin_utils
-from openmoe_jax.analysis import analyses, cli
+from openmoe_jax.analysis import analyses, study
 from openmoe_jax.analysis.record import (RoutingRecord, _check_token_choice,
                                          make_routing_fn, record_routing)
 from openmoe_jax.analysis.routing import moe_layer_numbers
+from openmoe_jax.cli import analyze as cli
 from openmoe_jax.cli import flags
 from openmoe_jax.config import ModelConfig, MoeConfig
 from openmoe_jax.model import Decoder
@@ -186,8 +187,8 @@ def test_recorder_agrees_with_the_model_routing_statistics(scan_layers):
 
 def test_analyze_priority_flag_reroutes_token_choice_only():
   cfg = ModelConfig(moe=MoeConfig(num_experts=4))
-  assert cli.with_priority(cfg, None) is cfg
-  rerouted = cli.with_priority(cfg, "position_major")
+  assert study.with_priority(cfg, None) is cfg
+  rerouted = study.with_priority(cfg, "position_major")
   assert rerouted.moe.router.priority == "position_major"
   assert rerouted.moe.router.capacity_per_choice == cfg.moe.router.capacity_per_choice
   assert cli.parse_args(["--model_dir=x", "--output=y", "--priority=position_major"]
@@ -195,7 +196,7 @@ def test_analyze_priority_flag_reroutes_token_choice_only():
   with pytest.raises(flags.UsageError, match="priority"):
     cli.parse_args(["--model_dir=x", "--output=y", "--priority=random"])
   with pytest.raises(ValueError, match="token-choice"):
-    cli.with_priority(cfg.replace(moe=cfg.moe.replace(router=ExpertChoiceRouter())),
+    study.with_priority(cfg.replace(moe=cfg.moe.replace(router=ExpertChoiceRouter())),
                       "position_major")
 
 

@@ -45,5 +45,5 @@ def test_noise_lines_are_recognised_and_real_problems_are_not():
 def test_console_programs_are_recognised():
   assert environment.is_console_program(["/venv/bin/openmoe-train"], [])
   assert environment.is_console_program(
-      ["-m"], ["python", "-m", "openmoe_jax.train", "--help"])
+      ["-m"], ["python", "-m", "openmoe_jax.cli.train", "--help"])
   assert not environment.is_console_program(["pytest"], ["python", "-m", "pytest"])

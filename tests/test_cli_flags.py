@@ -1,5 +1,8 @@
 """Every console program: real --help, one-line errors with exit 2 (cli/flags.py)."""
+import ast
 import importlib
+import os
+import re
 
 import pytest
 
@@ -7,23 +10,61 @@ from openmoe_jax.cli import flags
 
 # console_scripts of setup.py: program -> module whose main() it runs.
 PROGRAMS = {
-    "openmoe-train": "openmoe_jax.train",
-    "openmoe-analyze": "openmoe_jax.analysis.cli",
-    "openmoe-params": "openmoe_jax.param_count",
-    "openmoe-plan": "openmoe_jax.plan",
-    "openmoe-sample": "openmoe_jax.sample",
-    "openmoe-eval": "openmoe_jax.evaluate",
-    "openmoe-upcycle": "openmoe_jax.upcycle",
-    "openmoe-ablate": "openmoe_jax.ablate",
+    "openmoe-train": "openmoe_jax.cli.train",
+    "openmoe-analyze": "openmoe_jax.cli.analyze",
+    "openmoe-params": "openmoe_jax.cli.params",
+    "openmoe-plan": "openmoe_jax.cli.plan",
+    "openmoe-sample": "openmoe_jax.cli.sample",
+    "openmoe-eval": "openmoe_jax.cli.evaluate",
+    "openmoe-upcycle": "openmoe_jax.cli.upcycle",
+    "openmoe-ablate": "openmoe_jax.cli.ablate",
     "openmoe-convert": "openmoe_jax.cli.convert",
 }
+PACKAGE = os.path.join(os.path.dirname(__file__), "..", "openmoe_jax")
 
 
 def test_the_list_is_every_console_script():
-  import os, re  # pylint: disable=g-import-not-at-top,multiple-imports
   setup = open(os.path.join(os.path.dirname(__file__), "..", "setup.py")).read()
   declared = dict(re.findall(r'"(openmoe-[a-z]+)=([\w.]+):main"', setup))
   assert declared == PROGRAMS
+
+
+@pytest.mark.parametrize("prog", sorted(PROGRAMS))
+def test_each_program_is_a_cli_module_with_main_and_python_m(prog):
+  module = importlib.import_module(PROGRAMS[prog])
+  assert module.__name__.startswith("openmoe_jax.cli."), module.__name__
+  assert callable(module.main) and module.flags is flags  # the one flag helper
+  with open(module.__file__) as f:  # `python -m openmoe_jax.cli.<name>` runs main()
+    assert 'if __name__ == "__main__":\n  sys.exit(main())' in f.read()
+
+
+def _package_modules():
+  """Yields (dotted name, parsed ast) of every module of the package."""
+  for folder, _, files in os.walk(PACKAGE):
+    for name in sorted(files):
+      if name.endswith(".py"):
+        path = os.path.join(folder, name)
+        rel = os.path.relpath(path, PACKAGE)[:-3].replace(os.sep, ".")
+        with open(path) as f:
+          yield "openmoe_jax." + rel, ast.parse(f.read())
+
+
+def test_programs_live_in_cli_and_parse_flags_only_through_the_helper():
+  outside, hand_parsed = [], []
+  for name, tree in _package_modules():
+    in_cli = name.startswith("openmoe_jax.cli.")
+    for node in ast.walk(tree):
+      if not in_cli and isinstance(node, ast.FunctionDef) and node.name == "main":
+        outside.append(name)  # a program's entry point outside cli/
+      if not in_cli and isinstance(node, ast.ImportFrom) and node.module == (
+          "openmoe_jax.cli") and any(a.name == "flags" for a in node.names):
+        outside.append(name)  # a library module declaring flags
+      if name not in ("openmoe_jax.cli.flags", "openmoe_jax.cli.environment") and (
+          isinstance(node, ast.Attribute) and node.attr in ("argv", "ArgumentParser")
+          and isinstance(node.value, ast.Name) and node.value.id in ("sys", "argparse")):
+        hand_parsed.append(name)  # sys.argv or a parser of its own
+  assert not outside, f"programs outside openmoe_jax/cli/: {sorted(set(outside))}"
+  assert not hand_parsed, f"argv parsed outside cli/flags.py: {sorted(set(hand_parsed))}"
 
 
 @pytest.mark.parametrize("prog", sorted(PROGRAMS))
@@ -49,7 +90,7 @@ def test_unknown_flag_is_one_error_line_and_exit_2(prog, capsys):
 
 
 def test_gin_errors_are_one_line(capsys):
-  from openmoe_jax import train  # pylint: disable=g-import-not-at-top
+  from openmoe_jax.cli import train  # pylint: disable=g-import-not-at-top
   assert train.main(["--gin_file=runs/quickstart.gin",
                      "--gin.ModelConfig.d_modle=3"]) == flags.EXIT_USAGE
   err = capsys.readouterr().err.strip().splitlines()
@@ -58,7 +99,7 @@ def test_gin_errors_are_one_line(capsys):
 
 
 def test_a_missing_search_path_is_an_error(capsys, tmp_path):
-  from openmoe_jax import train  # pylint: disable=g-import-not-at-top
+  from openmoe_jax.cli import train  # pylint: disable=g-import-not-at-top
   missing = str(tmp_path / "nope")
   # (An unknown gin file too, so that a broken check fails fast, not by training.)
   assert train.main(["--gin_file=no_such.gin",

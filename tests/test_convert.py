@@ -275,7 +275,7 @@ def test_training_continues_from_a_params_export(tmp_path):
   configure(run, 2)
   train(print_fn=lambda *_: None)
   _convert("params", f"--model_dir={run}", f"--output={export}")
-  from openmoe_jax import evaluate, sample  # pylint: disable=g-import-not-at-top
+  from openmoe_jax.cli import evaluate, sample  # pylint: disable=g-import-not-at-top
   # Both read the export as a MODEL_DIR.
   assert evaluate.main([f"--model_dir={export}", "--num_batches=1"]) == 0
   assert sample.main([f"--model_dir={export}", "--max_new_tokens=2"]) == 0

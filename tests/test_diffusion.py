@@ -13,10 +13,10 @@ from openmoe_jax import gin_utils
 from openmoe_jax.config import ModelConfig, MoeConfig
 from openmoe_jax.model import Decoder
 from openmoe_jax.moe.routers_expert_choice import ExpertChoiceRouter
-from openmoe_jax.objectives import MaskedDiffusion, diffusion_elbo
+from openmoe_jax.objectives import CausalLm, MaskedDiffusion, diffusion_elbo, is_diffusion
 from openmoe_jax.objectives import diffusion as dl
 from openmoe_jax.data.vocabulary import get_vocabulary, mask_token_id
-from openmoe_jax.sampling_diffusion import (gumbel_argmax, sample_diffusion,
+from openmoe_jax.decoding.diffusion import (gumbel_argmax, sample_diffusion,
                                             transfer_schedule)
 
 V, MASK = 64, 3
@@ -114,6 +114,13 @@ def test_random_truncation_cuts_loss_and_isolates_the_tail():
   np.testing.assert_array_equal(np.asarray(cut_seg), np.asarray(cut_loss).astype(int))
   same = dl.random_truncation(jax.random.PRNGKey(0), loss_bt, seg_bt, 0.0)
   np.testing.assert_array_equal(np.asarray(same[0]), np.asarray(loss_bt))
+
+
+def test_is_diffusion_tells_the_objective_kind():
+  assert is_diffusion(MaskedDiffusion(mask_id=MASK))
+  assert not is_diffusion(CausalLm())
+  assert not is_diffusion(CausalLm(attention_kind="prefix"))  # UL2
+  assert not is_diffusion(None)  # a run without an objective trains causal LM
 
 
 def test_model_sees_corrupted_targets_bidirectionally_and_predicts_its_own_token():

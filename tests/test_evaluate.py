@@ -6,7 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from openmoe_jax import evaluate, gin_utils, run_loader
+from openmoe_jax import gin_utils, run_loader
+from openmoe_jax.cli import evaluate as evaluate_cli
 from openmoe_jax.config import ModelConfig
 from openmoe_jax.data import pipeline, vocabulary
 from openmoe_jax.model import Decoder
@@ -57,7 +58,7 @@ def test_eval_causal_and_diffusion_runs(tmp_path, capsys):
   _train(causal)
   _train(dlm, "objectives/masked_diffusion.gin")
   capsys.readouterr()
-  assert evaluate.main([f"--model_dir={causal}", "--num_batches=2"]) == 0
+  assert evaluate_cli.main([f"--model_dir={causal}", "--num_batches=2"]) == 0
   result = json.loads(capsys.readouterr().out)
   assert result["objective"] == "CausalLm" and result["step"] == 2
   assert result["perplexity"] == pytest.approx(2.718281828 ** result["ce_loss"], rel=1e-6)
@@ -65,12 +66,12 @@ def test_eval_causal_and_diffusion_runs(tmp_path, capsys):
   assert result["num_tokens"] == expected_tokens > 0
   np.testing.assert_allclose(result["ce_loss"], expected_ce, rtol=1e-6)
   args = [f"--model_dir={dlm}", "--num_batches=2", "--num_samples=3"]
-  assert evaluate.main(args) == 0
+  assert evaluate_cli.main(args) == 0
   first = json.loads(capsys.readouterr().out)
   assert first["objective"] == "MaskedDiffusion"
   assert first["stderr"] > 0 and first["perplexity_bound"] > 1
   assert first["perplexity_bound"] == pytest.approx(2.718281828 ** first["nelbo"], rel=1e-6)
-  assert evaluate.main(args) == 0
+  assert evaluate_cli.main(args) == 0
   assert json.loads(capsys.readouterr().out)["nelbo"] == first["nelbo"]  # fixed seeds
 
 
@@ -92,7 +93,7 @@ def test_eval_diffusion_uses_the_objective_mask_id(monkeypatch, capsys, bound, e
   def fake_evaluate(model, params, batches, objective, mask_id, *args):
     seen.append(mask_id)
     return {"nelbo": 1.0}
-  monkeypatch.setattr(evaluate, "evaluate_diffusion", fake_evaluate)
-  assert evaluate.main(["--model_dir=dir"]) == 0
+  monkeypatch.setattr(evaluate_cli, "evaluate_diffusion", fake_evaluate)
+  assert evaluate_cli.main(["--model_dir=dir"]) == 0
   assert seen == [expected]
   assert json.loads(capsys.readouterr().out)["objective"] == "MaskedDiffusion"

@@ -1,6 +1,7 @@
 """Tests for real-data sources (text, TFRecord, ArrayRecord, TFDS) and OpenMoE's mixtures."""
 
 import json
+import os
 
 import gin
 import numpy as np
@@ -8,6 +9,9 @@ import pytest
 import seqio
 import tensorflow as tf
 
+import openmoe_jax
+from openmoe_jax import _source_tasks
+from openmoe_jax import tasks as tasks_lib
 from openmoe_jax.data import pipeline
 from openmoe_jax.data import sources
 from openmoe_jax.data import vocabulary as vocab_lib
@@ -183,3 +187,15 @@ def test_source_task_from_gin_tfrecord_ul2(tmp_path):
   batch = next(pipeline.get_dataset("code_ul2", 64, 2, seed=0))
   assert pipeline.PREFIX_KEY in batch and batch["decoder_loss_weights"].sum() > 0
   assert len(seqio.get_mixture_or_task("code_ul2").tasks) == 6
+
+
+def test_tasks_come_from_the_same_tree_as_the_package():
+  package = os.path.dirname(os.path.abspath(openmoe_jax.__file__))
+  checkout = os.path.dirname(package)
+  if os.path.isfile(os.path.join(checkout, "setup.py")):  # a source checkout
+    expected = os.path.join(checkout, "tasks", "__init__.py")
+  else:  # installed: setup.py's package_dir put tasks/ inside the package
+    expected = os.path.join(package, "tasks", "__init__.py")
+  assert os.path.abspath(tasks_lib.__file__) == expected
+  assert openmoe.__name__ == "openmoe_jax.tasks.openmoe"
+  assert _source_tasks.SourceTasksFinder.find_spec("openmoe_jax.other") is None

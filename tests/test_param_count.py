@@ -3,6 +3,7 @@ import gin
 import pytest
 
 from openmoe_jax import gin_utils, param_count
+from openmoe_jax.cli import params as params_cli
 from openmoe_jax.config import ModelConfig, MoeConfig
 
 
@@ -42,8 +43,8 @@ def test_paper_counts_follow_from_standard_swiglu_and_one_vocab_table():
 
 
 def test_cli_prints_counts(capsys):
-  assert param_count.main(["--gin_file=models/openmoe_8b_32e.gin"]) == 0
+  assert params_cli.main(["--gin_file=models/openmoe_8b_32e.gin"]) == 0
   out = capsys.readouterr().out
   assert "total 11.855B" in out and "activated 3.802B" in out
-  assert param_count.main([]) == 2
+  assert params_cli.main([]) == 2
   assert "--gin_file is required" in capsys.readouterr().err

@@ -6,6 +6,7 @@ import gin
 import pytest
 
 from openmoe_jax import gin_utils, plan
+from openmoe_jax.cli import plan as plan_cli
 
 TINY = ["ModelConfig.vocab_size = 512", "ModelConfig.d_model = 128",
         "ModelConfig.num_heads = 2", "ModelConfig.head_dim = 64", "ModelConfig.d_ff = 256",
@@ -94,7 +95,7 @@ def test_expert_parallel_step_compiles_for_each_tpu_generation(topology, chips, 
 def test_cli_json(capsys):
   args = ["--gin_file=models/quickstart_moe.gin", "--topology=v5e:2x2", "--json",
           "--gin.BATCH_SIZE=8", "--gin.SEQUENCE_LENGTH=256"]
-  assert plan.main(args + [f"--gin.{b.replace(' ', '')}" for b in TINY]) == 0
+  assert plan_cli.main(args + [f"--gin.{b.replace(' ', '')}" for b in TINY]) == 0
   report = json.loads(capsys.readouterr().out)
   for key in ("topology", "num_chips", "hbm_bytes_per_chip", "argument_bytes",
               "temp_bytes", "output_bytes", "fits", "compiled_flops", "analytic_flops"):
@@ -103,7 +104,7 @@ def test_cli_json(capsys):
   assert (report["topology"], report["num_chips"]) == ("v5e:2x2", 4)
   assert report["hbm_bytes_per_chip"] == 16 * 1024 ** 3  # v5e: 16 GiB HBM per chip
   assert report["analytic_flops"] == _tiny_analytic_flops(8)
-  assert plan.main(["--gin_file=models/quickstart_moe.gin"]) == 2  # no --topology
+  assert plan_cli.main(["--gin_file=models/quickstart_moe.gin"]) == 2  # no --topology
 
 
 def test_a_step_that_cannot_fit_is_reported_not_raised():
@@ -131,12 +132,12 @@ def test_openmoe_base_preset_compiles_for_small_topologies(topology):
   print(f"{topology}: peak {report['peak_bytes_per_device'] / 2**30:.2f} GiB per device")
 
 
-@pytest.mark.parametrize("fits, code", [(True, 0), (False, plan.EXIT_DOES_NOT_FIT)])
+@pytest.mark.parametrize("fits, code", [(True, 0), (False, plan_cli.EXIT_DOES_NOT_FIT)])
 def test_exit_code_says_whether_the_step_fits(monkeypatch, capsys, fits, code):
   report = {"topology": "v5e:2x2", "mesh": {"data": 4}, "batch_size": 8,
             "sequence_length": 256, "fits": fits, "compiler_message": "over HBM"}
-  monkeypatch.setattr(plan, "plan", lambda *a, **k: report)
-  assert plan.main(["--gin_file=models/quickstart_moe.gin", "--topology=v5e:2x2",
+  monkeypatch.setattr(plan_cli, "plan", lambda *a, **k: report)
+  assert plan_cli.main(["--gin_file=models/quickstart_moe.gin", "--topology=v5e:2x2",
                     "--json"]) == code
   assert json.loads(capsys.readouterr().out)["fits"] is fits
-  assert plan.EXIT_DOES_NOT_FIT not in (0, 1, 2)  # apart from success and errors
+  assert plan_cli.EXIT_DOES_NOT_FIT not in (0, 1, 2)  # apart from success and errors

@@ -9,12 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from openmoe_jax import gin_utils, run_loader, sample
+from openmoe_jax import gin_utils, run_loader
+from openmoe_jax.cli import sample as sample_cli
 from openmoe_jax.data import pipeline, vocabulary
 from openmoe_jax.config import ModelConfig, MoeConfig
 from openmoe_jax.model import Decoder
+from openmoe_jax.decoding import autoregressive
+from openmoe_jax.decoding.diffusion import sample_diffusion
+from openmoe_jax.decoding.serving import serving_config
 from openmoe_jax.moe.routers_expert_choice import ExpertChoiceRouter
-from openmoe_jax.sampling_diffusion import sample_diffusion
 from openmoe_jax.trainer import train
 
 CFG = ModelConfig(vocab_size=64, d_model=16, num_heads=2, head_dim=8, d_ff=24,
@@ -29,8 +32,8 @@ def _params():
 
 
 def test_greedy_equals_growing_the_prompt_one_token_at_a_time():
-  params, model = _params(), Decoder(sample.serving_config(CFG, diffusion=False))
-  got = sample.sample_autoregressive(model, params, [5, 9, 3], max_new_tokens=6,
+  params, model = _params(), Decoder(serving_config(CFG, diffusion=False))
+  got = autoregressive.sample_autoregressive(model, params, [5, 9, 3], max_new_tokens=6,
                                      kv_cache=False)
   tokens = [5, 9, 3]
   for _ in range(6):  # exact-length inputs: no padding after the cursor at all
@@ -41,8 +44,8 @@ def test_greedy_equals_growing_the_prompt_one_token_at_a_time():
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_kv_cache_sampler_equals_the_sampler_without_cache(temperature):
-  params, model = _params(), Decoder(sample.serving_config(CFG, diffusion=False))
-  run = lambda cache: sample.sample_autoregressive(
+  params, model = _params(), Decoder(serving_config(CFG, diffusion=False))
+  run = lambda cache: autoregressive.sample_autoregressive(
       model, params, [5, 9, 3, 7], max_new_tokens=7, temperature=temperature,
       top_p=0.95, rng=jax.random.PRNGKey(2), kv_cache=cache).tolist()
   assert run(True) == run(False)
@@ -50,8 +53,8 @@ def test_kv_cache_sampler_equals_the_sampler_without_cache(temperature):
 
 
 def test_serving_config_token_choice_is_dropless_only_when_autoregressive():
-  assert sample.serving_config(CFG, diffusion=False).moe.capacity_factor_eval == 4.0
-  assert sample.serving_config(CFG, diffusion=True).moe.capacity_factor_eval == 0.5
+  assert serving_config(CFG, diffusion=False).moe.capacity_factor_eval == 4.0
+  assert serving_config(CFG, diffusion=True).moe.capacity_factor_eval == 0.5
 
 
 class _Calls:
@@ -88,7 +91,7 @@ def test_diffusion_sampling_with_expert_choice_routes_as_evaluation():
   eval_l = np.asarray(aux["experts_per_token_mean"])
   np.testing.assert_allclose(eval_l, [2.0])
   calls = _Calls()
-  model = _RecordRouting(Decoder(sample.serving_config(cfg, diffusion=True)), calls)
+  model = _RecordRouting(Decoder(serving_config(cfg, diffusion=True)), calls)
   sample_diffusion(model, {"inner": params}, prompt_1p, gen_length=12, steps=3,
                    mask_id=mask_id)
   assert len(calls.items) == 3  # one model call per step
@@ -97,11 +100,11 @@ def test_diffusion_sampling_with_expert_choice_routes_as_evaluation():
 
 def test_top_p_keeps_the_nucleus_and_sampling_is_seeded():
   logits = jnp.log(jnp.asarray([0.5, 0.3, 0.15, 0.05]))
-  kept = np.isfinite(np.asarray(sample.filter_top_p(logits, 0.7)))
+  kept = np.isfinite(np.asarray(autoregressive.filter_top_p(logits, 0.7)))
   assert kept.tolist() == [True, True, False, False]
-  assert np.isfinite(np.asarray(sample.filter_top_p(logits, 0.01))).sum() == 1
-  params, model = _params(), Decoder(sample.serving_config(CFG, diffusion=False))
-  run = lambda seed: sample.sample_autoregressive(
+  assert np.isfinite(np.asarray(autoregressive.filter_top_p(logits, 0.01))).sum() == 1
+  params, model = _params(), Decoder(serving_config(CFG, diffusion=False))
+  run = lambda seed: autoregressive.sample_autoregressive(
       model, params, [1, 2], max_new_tokens=8, temperature=1.0, top_p=0.9,
       rng=jax.random.PRNGKey(seed), vocab_limit=60).tolist()
   assert run(3) == run(3)
@@ -136,8 +139,8 @@ def test_cli_diffusion_uses_the_objective_mask_id(monkeypatch, capsys, bound, ex
   def fake_sample(model, params, prompt_ids, **kwargs):
     seen.update(kwargs)
     return np.full((1, len(prompt_ids) + kwargs["gen_length"]), 12, np.int32)
-  monkeypatch.setattr(sample, "sample_diffusion", fake_sample)
-  assert sample.main(["--model_dir=dir", "--prompt=ab", "--max_new_tokens=4"]) == 0
+  monkeypatch.setattr(sample_cli, "sample_diffusion", fake_sample)
+  assert sample_cli.main(["--model_dir=dir", "--prompt=ab", "--max_new_tokens=4"]) == 0
   assert seen["mask_id"] == expected
   assert capsys.readouterr().out == "abMMMM\n"
 
@@ -156,8 +159,8 @@ def test_cli_autoregressive_prompt_starts_with_token_0(monkeypatch, capsys):
   def fake_sample(model, params, prompt_ids, **kwargs):
     seen.append(list(prompt_ids))
     return np.asarray(list(prompt_ids) + [2, 3], np.int32)
-  monkeypatch.setattr(sample, "sample_autoregressive", fake_sample)
-  assert sample.main(["--model_dir=dir", "--prompt=ab", "--mode=ar"]) == 0
+  monkeypatch.setattr(sample_cli, "sample_autoregressive", fake_sample)
+  assert sample_cli.main(["--model_dir=dir", "--prompt=ab", "--mode=ar"]) == 0
   assert seen == [[0] + _Vocab().encode("ab")]
   assert capsys.readouterr().out == "abCD\n"
 
@@ -176,6 +179,6 @@ def test_cli_samples_from_a_trained_run(tmp_path, capsys):
   gin.clear_config()
   capsys.readouterr()
   for mode in ("ar", "diffusion"):
-    assert sample.main([f"--model_dir={model_dir}", "--prompt=def ", f"--mode={mode}",
+    assert sample_cli.main([f"--model_dir={model_dir}", "--prompt=def ", f"--mode={mode}",
                         "--max_new_tokens=8", "--steps=4"]) == 0
     assert capsys.readouterr().out.startswith("def ")

@@ -9,7 +9,8 @@ import sys
 import gin
 import pytest
 
-from openmoe_jax import gin_utils, train as train_cli
+from openmoe_jax import gin_utils
+from openmoe_jax.cli import train as train_cli
 from openmoe_jax.trainer import train
 
 TINY_BINDINGS = [
@@ -64,7 +65,7 @@ def test_cli_end_to_end_writes_checkpoints_metrics_and_events(tmp_path):
           "--gin.adamw_warmup_cosine.warmup_steps=1"]
   args += [f"--gin.{b.replace(' ', '')}" for b in TINY_BINDINGS]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.run([sys.executable, "-m", "openmoe_jax.train"] + args,
+  proc = subprocess.run([sys.executable, "-m", "openmoe_jax.cli.train"] + args,
                         capture_output=True, text=True, env=env, timeout=600,
                         cwd=str(tmp_path))
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -119,7 +120,7 @@ def _cli_args(model_dir, steps):
           f"--gin.TRAIN_STEPS={steps}", "--gin.train.eval_every_steps=1000",
           "--gin.train.checkpoint_every_steps=1000",
           "--gin.adamw_warmup_cosine.warmup_steps=1"]
-  return [sys.executable, "-m", "openmoe_jax.train"] + args + [
+  return [sys.executable, "-m", "openmoe_jax.cli.train"] + args + [
       f"--gin.{b.replace(' ', '')}" for b in TINY_BINDINGS]
 
 

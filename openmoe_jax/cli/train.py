@@ -1,5 +1,5 @@
 """Command line: `openmoe-train --gin_file=runs/quickstart.gin` (or `python -m
-openmoe_jax.train`).
+openmoe_jax.cli.train`).
 
 t5x conventions: `--gin_file=` (repeatable, found on a search path that includes the
 installed gin/ folder), `--gin.NAME=VALUE` overrides (macros MODEL_DIR, TRAIN_STEPS,
