@@ -24,6 +24,7 @@ import pytest
 
 from openmoe_jax import checkpoints, gin_utils, trainer
 from openmoe_jax.data import pipeline
+from openmoe_jax.metrics import MetricsLogger
 from openmoe_jax.objectives import CausalLm
 from openmoe_jax.train_loop import TrainingDivergedError
 from openmoe_jax.trainer import train
@@ -267,3 +268,95 @@ def test_nan_steps_are_skipped_counted_and_too_many_stop_the_run(tmp_path,
   assert [rows[s]["train/skipped_steps_total"] for s in range(1, 7)] == [
       0, 0, 1, 1, 2, 3]
   assert all(np.isfinite(rows[s]["train/loss"]) for s in (1, 2, 4))
+
+
+def test_a_row_torn_by_a_killed_process_is_dropped_on_resume(tmp_path):
+  (tmp_path / "metrics.jsonl").write_text(
+      '{"step": 1, "train/loss": 2.5}\n{"step": 2, "train/loss": 2.4}\n{"step": 3, "tr')
+  logger = MetricsLogger(str(tmp_path), is_chief=True)
+  try:
+    assert logger.drop_rows_after(2) == 1
+  finally:
+    logger.close()
+  assert _train_losses(str(tmp_path)) == {1: 2.5, 2: 2.4}
+
+
+# -- kill -9 ------------------------------------------------------------------------
+
+def _cli(model_dir, steps):
+  args = [f"--gin_file=runs/quickstart.gin", f"--gin.MODEL_DIR={model_dir}",
+          f"--gin.TRAIN_STEPS={steps}", "--gin.train.checkpoint_every_steps=2",
+          "--gin.train.keep_checkpoints=10"]
+  return [sys.executable, "-m", TRAIN_MODULE] + args + [
+      f"--gin.{b.replace(' ', '')}" for b in TINY_BINDINGS]
+
+
+def _logged_losses(model_dir):
+  """Returns {step: train loss} of metrics.jsonl, skipping a torn last line."""
+  losses = {}
+  for line in open(os.path.join(model_dir, "metrics.jsonl")):
+    try:
+      row = json.loads(line)
+    except ValueError:
+      continue
+    if "train/loss" in row:
+      losses[row["step"]] = row["train/loss"]
+  return losses
+
+
+def _kill_when(proc, ready, timeout=300):
+  """SIGKILLs `proc` as soon as `ready()` holds; returns the time it waited."""
+  start = time.monotonic()
+  while not ready():
+    assert proc.poll() is None, proc.stdout.read()[-3000:]
+    assert time.monotonic() - start < timeout, "the run never got there"
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait(timeout=60)
+  assert proc.returncode == -signal.SIGKILL
+
+
+@pytest.mark.slow
+def test_kill_9_mid_save_and_mid_step_then_relaunch_loses_nothing(tmp_path):
+  model_dir = str(tmp_path / "run")
+  ckpt_dir = os.path.join(model_dir, "checkpoints")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+  spawn = lambda steps, extra_env: subprocess.Popen(
+      _cli(model_dir, steps), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+      text=True, env=dict(env, **extra_env), cwd=str(tmp_path))
+  listing = lambda: os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []
+
+  # 1. Killed while the checkpoint of step 4 is being written (the save hook holds
+  #    each save open for 5 s), after the one of step 2 was committed.
+  first = spawn(1000, {checkpoints.DEBUG_SAVE_DELAY_ENV: "5"})
+  _kill_when(first, lambda: "2" in listing() and any(
+      n.startswith("4.") and checkpoints.TMP_MARKER in n for n in listing()))
+  assert "4" not in listing()
+  reference = _logged_losses(model_dir)  # an uninterrupted run from step 0
+  assert max(reference) >= 4, reference
+
+  # 2. Relaunched: cleans the partial save, resumes from step 2; killed mid-step
+  #    once it has run past its first checkpoint.
+  second = spawn(1000, {})
+  _kill_when(second, lambda: "6" in listing() and max(
+      _logged_losses(model_dir), default=0) >= 7)
+  output = second.stdout.read()
+  assert "orbax-checkpoint-tmp" in output and "Removed" in output, output[-3000:]
+  assert "Resumed from step 2" in output, output[-3000:]
+  resumed = _logged_losses(model_dir)
+  for step in range(3, max(reference) + 1):
+    assert resumed[step] == reference[step], step  # bit for bit (JSON repr)
+  reference.update(resumed)
+
+  # 3. Relaunched again: resumes from its newest complete checkpoint and the steps
+  #    it repeats give the same losses; the run then finishes.
+  last = max(reference)
+  third = subprocess.run(_cli(model_dir, last), capture_output=True, text=True,
+                         env=env, cwd=str(tmp_path), timeout=600)
+  assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
+  restart = int(third.stdout.split("Resumed from step ", 1)[1].split()[0])
+  assert 6 <= restart < last
+  final = _logged_losses(model_dir)
+  assert set(final) == set(range(1, last + 1))
+  assert all(final[s] == reference[s] for s in final), (final, reference)
+  assert not any(checkpoints.TMP_MARKER in n for n in listing())
