@@ -20,6 +20,7 @@ import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from openmoe_jax import checkpoints, gin_utils, trainer
@@ -360,3 +361,38 @@ def test_kill_9_mid_save_and_mid_step_then_relaunch_loses_nothing(tmp_path):
   assert set(final) == set(range(1, last + 1))
   assert all(final[s] == reference[s] for s in final), (final, reference)
   assert not any(checkpoints.TMP_MARKER in n for n in listing())
+
+
+@jax.custom_vjp
+def _blow_up_gradient(w, bad):
+  """Identity on `w` whose gradient is infinite when `bad` > 0."""
+  del bad
+  return w
+
+
+_blow_up_gradient.defvjp(
+    lambda w, bad: (w, bad),
+    lambda bad, g: (g * jnp.where(bad > 0, jnp.inf, 1.0), jnp.zeros_like(bad)))
+
+
+def test_a_finite_loss_with_an_infinite_gradient_norm_is_skipped_too():
+  def objective(model, params, batch, rng, *, train):
+    del model, rng, train
+    w = _blow_up_gradient(params["w"], batch["bad"][0])
+    loss = jnp.sum(w ** 2)
+    return loss, {"moe/aux_loss": jnp.float32(0.0), "num_tokens": jnp.float32(1.0)}
+  optimizer = optax.inject_hyperparams(optax.adam)(learning_rate=0.1)
+  step_fn = jax.jit(trainer.make_train_step(None, objective, optimizer))
+  params = {"w": jnp.arange(4, dtype=jnp.float32)}
+  state = trainer.TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+  batch = lambda bad: {"decoder_loss_weights": jnp.ones((1, 4)),
+                       "bad": jnp.full((1,), bad, jnp.float32)}
+  good, metrics = step_fn(state, batch(0.0), jax.random.PRNGKey(0))
+  assert float(metrics["skipped_steps"]) == 0.0
+  assert not _identical(good.params, state.params)
+  after, metrics = step_fn(good, batch(1.0), jax.random.PRNGKey(0))
+  assert float(metrics["skipped_steps"]) == 1.0
+  assert np.isfinite(float(metrics["loss"])) and not np.isfinite(float(metrics["grad_norm"]))
+  assert _identical(after.params, good.params)
+  assert _identical(after.opt_state, good.opt_state)
+  assert int(after.step) == 2
