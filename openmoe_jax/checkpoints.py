@@ -294,8 +294,10 @@ class Checkpointer:
     moved to `<model_dir>/damaged_checkpoints/` and the previous one tried, and so
     on; `self.restored_step` tells which step came back. Raises
     CheckpointDamagedError when fallback is off or no checkpoint is readable, and
-    re-raises Orbax's ValueError unchanged when the checkpoint does not fit
-    `abstract_state` (a changed configuration, not damage). An explicit `step`
+    CheckpointMismatchError (a ValueError), before reading any array, when the
+    stored arrays' shapes or paths differ from `abstract_state` (a changed
+    configuration, not damage: nothing is moved). Orbax's own ValueError for a
+    mismatch its metadata did not show is re-raised unchanged. An explicit `step`
     never falls back.
     """
     fallback = self.restore_fallback if fallback is None else fallback

@@ -157,7 +157,11 @@ def test_changed_shape_is_not_taken_for_damage(tmp_path):
   with checkpoints.Checkpointer(model_dir, 1, None, print_fn=lambda m: None) as ckpt:
     with pytest.raises(ValueError, match="shape") as error:
       ckpt.restore(abstract_state=abstract)
-  assert not isinstance(error.value, checkpoints.CheckpointError)
+  # A changed configuration, named as such (before Orbax reads anything), not damage.
+  assert isinstance(error.value, checkpoints.CheckpointMismatchError)
+  assert not isinstance(error.value, checkpoints.CheckpointDamagedError)
+  assert "params/w: checkpoint shape (3, 4), model shape (3, 5)" in str(error.value)
+  assert error.value.mismatches == [("params/w", (3, 4), (3, 5))]
   assert _tree_digest(model_dir) == before
 
 
