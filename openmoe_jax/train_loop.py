@@ -116,7 +116,8 @@ class TrainLoop:
     latest = self.ckpt.latest_step()
     first = step - self.consecutive_skipped + 1
     where = (f"the newest checkpoint on disk is {self.ckpt.directory}/{latest}, "
-             f"whose parameters are those after step {first - 1}" if latest is not None
+             f"whose parameters are those after step {min(latest, first - 1)}"
+             if latest is not None
              else "no checkpoint was saved")
     raise TrainingDivergedError(
         f"stopping at step {step}: {self.consecutive_skipped} consecutive steps "
