@@ -14,18 +14,31 @@ Faults (each raises one exception type naming the directory and the cause):
   (`Checkpointer.restore_fallback`), moving the damaged one to
   `<model_dir>/damaged_checkpoints/`; `CheckpointDamagedError` when none is readable;
 - partial saves (`<step>.orbax-checkpoint-tmp*` of a process killed mid-write) are
-  never restored; `remove_partial_saves` deletes them.
+  never restored; `remove_partial_saves` deletes them;
+- a state holding NaN/Inf is never saved: `NonFiniteStateError`;
+- a checkpoint that does not fit the model being restored (a changed d_model,
+  number of experts, vocabulary, layers): `CheckpointMismatchError` naming the
+  parameter and both shapes, raised before Orbax reads anything; nothing on disk
+  changes.
+
+Fault-injection hook (tests only): `Checkpointer.debug_save_delay_s` (gin) or the
+environment variable OPENMOE_JAX_DEBUG_SAVE_DELAY_S delays the end of every
+background save by that many seconds, so that a test can kill the process while a
+checkpoint is being written.
 """
 import gc
 import logging
 import os
 import shutil
 import sys
+import time
 from typing import Any, Callable, Optional
 
 from etils import epath
 import gin
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 _STATE = "state"
@@ -35,6 +48,23 @@ TMP_MARKER = ".orbax-checkpoint-tmp"
 # Orbax's messages for a checkpoint that does not fit the requested state: the
 # checkpoint is fine, the configuration changed, so no older one would fit either.
 _MISMATCH_MARKERS = ("is not compatible with the stored shape", "Structure mismatch")
+
+
+# Fault injection (tests): seconds every background save waits inside its window.
+DEBUG_SAVE_DELAY_ENV = "OPENMOE_JAX_DEBUG_SAVE_DELAY_S"
+
+
+class _DelayedJsonHandler(ocp.JsonCheckpointHandler):
+  """Orbax's JSON handler whose background write first sleeps `delay_s` seconds
+  (the fault-injection hook of `Checkpointer.debug_save_delay_s`)."""
+
+  def __init__(self, delay_s: float):
+    super().__init__()
+    self._delay_s = delay_s
+
+  async def _save_fn(self, x, directory):
+    time.sleep(self._delay_s)  # runs in Orbax's background commit thread
+    await super()._save_fn(x, directory)
 
 
 class CheckpointError(RuntimeError):
@@ -51,6 +81,21 @@ class UnwritableDirectoryError(CheckpointError):
 
 class CheckpointSaveError(CheckpointError):
   """A save failed; the checkpoints saved before it are intact."""
+
+
+class NonFiniteStateError(CheckpointError):
+  """A state to be saved holds NaN or Inf; nothing was written."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+  """A checkpoint does not fit the state being restored (changed configuration).
+
+  `mismatches`: [(parameter path, checkpoint shape or None, model shape or None)]."""
+
+  def __init__(self, message: str, directory: str, step: Optional[int] = None,
+               mismatches: tuple = ()):
+    super().__init__(message, directory, step)
+    self.mismatches = list(mismatches)
 
 
 class CheckpointDamagedError(CheckpointError):
@@ -110,11 +155,17 @@ class Checkpointer:
   and restores the previous complete one; False stops with CheckpointDamagedError.
   Either way a run never silently starts from scratch. `print_fn` receives those
   messages (default: logging.warning).
+
+  `debug_save_delay_s` (or the environment variable DEBUG_SAVE_DELAY_ENV): a
+  fault-injection hook for tests, never for real runs: every background save sleeps
+  that long before it writes its last item, with the checkpoint still a partial
+  `<step>.orbax-checkpoint-tmp*` folder, so that a test can kill the process there.
   """
 
   def __init__(self, model_dir: str, save_every_steps: int = 1000, keep: int | None = 3,
                restore_fallback: bool = True,
-               print_fn: Optional[Callable[[str], None]] = None):
+               print_fn: Optional[Callable[[str], None]] = None,
+               debug_save_delay_s: float = 0.0):
     if save_every_steps < 1:
       raise ValueError(f"save_every_steps must be >= 1, got {save_every_steps}")
     self.model_dir = os.fspath(model_dir)
@@ -131,8 +182,19 @@ class Checkpointer:
     ])
     options = ocp.CheckpointManagerOptions(
         save_decision_policy=policy, max_to_keep=keep, create=True)
+    delay = float(debug_save_delay_s or os.environ.get(DEBUG_SAVE_DELAY_ENV) or 0)
+    registry = None
+    if delay > 0:
+      registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+      json_handler = _DelayedJsonHandler(delay)
+      registry.add(_DATA_POSITION, ocp.args.JsonSave, json_handler)
+      registry.add(_DATA_POSITION, ocp.args.JsonRestore, json_handler)
+      registry.add(_STATE, ocp.args.StandardSave, ocp.StandardCheckpointHandler())
+      registry.add(_STATE, ocp.args.StandardRestore, ocp.StandardCheckpointHandler())
     self._manager = ocp.CheckpointManager(
-        self.directory, options=options, item_names=(_STATE, _DATA_POSITION))
+        self.directory, options=options,
+        item_names=None if registry else (_STATE, _DATA_POSITION),
+        handler_registry=registry)
 
   def save(self, step: int, state: Any, data_position: dict | None = None,
            force: bool = False) -> bool:
@@ -147,6 +209,8 @@ class Checkpointer:
     # failure is reported with the step it belongs to. should_save is evaluated on
     # every call, as Orbax's save does, so that all hosts take the same path.
     due = force or self._manager.should_save(int(step))
+    if due:
+      self._check_finite(int(step), state)
     if self._pending_step is not None and (
         due or not self._manager.is_saving_in_progress()):
       self.wait_until_finished()
@@ -161,6 +225,28 @@ class Checkpointer:
     if started:
       self._pending_step = int(step)
     return started
+
+  def is_save_due(self, step: int) -> bool:
+    """Returns whether `save(step, ...)` without force would save."""
+    return bool(self._manager.should_save(int(step)))
+
+  def _check_finite(self, step: int, state: Any) -> None:
+    """Raises NonFiniteStateError naming the leaves of `state` holding NaN/Inf."""
+    paths, leaves = [], []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+      dtype = getattr(leaf, "dtype", None)
+      if dtype is not None and jnp.issubdtype(dtype, jnp.inexact):
+        paths.append(jax.tree_util.keystr(path))
+        leaves.append(leaf)
+    if not leaves:
+      return
+    bad = [p for p, ok in zip(paths, np.asarray(_all_finite(leaves))) if not ok]
+    if bad:
+      raise NonFiniteStateError(
+          f"not saving the checkpoint of step {step}: the state holds NaN or Inf in "
+          f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}. The checkpoints "
+          f"already saved are intact (steps {self.all_steps_on_disk() or 'none'}).",
+          self.directory, step)
 
   def _save_error(self, step: int, error: BaseException) -> CheckpointSaveError:
     """Returns the CheckpointSaveError for a failed save of `step` (and makes
@@ -208,8 +294,10 @@ class Checkpointer:
     moved to `<model_dir>/damaged_checkpoints/` and the previous one tried, and so
     on; `self.restored_step` tells which step came back. Raises
     CheckpointDamagedError when fallback is off or no checkpoint is readable, and
-    re-raises Orbax's ValueError unchanged when the checkpoint does not fit
-    `abstract_state` (a changed configuration, not damage). An explicit `step`
+    CheckpointMismatchError (a ValueError), before reading any array, when the
+    stored arrays' shapes or paths differ from `abstract_state` (a changed
+    configuration, not damage: nothing is moved). Orbax's own ValueError for a
+    mismatch its metadata did not show is re-raised unchanged. An explicit `step`
     never falls back.
     """
     fallback = self.restore_fallback if fallback is None else fallback
@@ -218,6 +306,8 @@ class Checkpointer:
       raise FileNotFoundError(f"no checkpoint in {self.directory}")
     damaged = []
     for candidate in steps:
+      if abstract_state is not None:
+        self._check_fits(candidate, abstract_state)
       try:
         state, position = self._restore_step(candidate, abstract_state)
       except Exception as e:  # pylint: disable=broad-except
@@ -236,6 +326,34 @@ class Checkpointer:
       self.restored_step = candidate
       return state, position
     raise self._damaged_error(damaged, fallback_off=False)
+
+  def _check_fits(self, step: int, abstract_state: Any) -> None:
+    """Raises CheckpointMismatchError when the stored arrays of `step` differ from
+    `abstract_state` in shape or in parameter paths; returns None when they fit or
+    the metadata cannot be read (the restore then reports the damage)."""
+    try:
+      stored = ocp.StandardCheckpointHandler().metadata(
+          epath.Path(self._step_path(step)) / _STATE)
+      stored = _flat_shapes(getattr(stored, "tree", stored))
+    except Exception:  # pylint: disable=broad-except
+      return
+    wanted = _flat_shapes(abstract_state)
+    mismatches = [(p, stored.get(p), wanted.get(p))
+                  for p in sorted(set(stored) | set(wanted))
+                  if stored.get(p) != wanted.get(p)]
+    if not mismatches:
+      return
+    # Parameters first: an optimizer moment repeats its parameter's mismatch.
+    mismatches.sort(key=lambda m: not m[0].startswith("params/"))
+    shown = "; ".join(
+        f"{path}: checkpoint {_shape_text(saved)}, model {_shape_text(model)}"
+        for path, saved, model in mismatches[:3])
+    more = f" (and {len(mismatches) - 3} more)" if len(mismatches) > 3 else ""
+    raise CheckpointMismatchError(
+        f"the checkpoint {self._step_path(step)} does not fit the configured model: "
+        f"{shown}{more}. The configuration changed since it was saved: restore the "
+        "old gin settings, or train in a new MODEL_DIR; nothing was modified.",
+        self.directory, step, mismatches)
 
   def _restore_step(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
     """Returns (state, data_position) of `step`; raises whatever Orbax raises."""
@@ -329,6 +447,30 @@ class Checkpointer:
 
   def __exit__(self, *exc):
     self.close()
+
+
+def _key_name(key) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def _flat_shapes(tree: Any) -> dict:
+  """Returns {"a/b/c": shape} of the arrays (anything with a shape) of `tree`."""
+  return {"/".join(_key_name(k) for k in path): tuple(leaf.shape)
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+          if hasattr(leaf, "shape")}
+
+
+def _shape_text(shape) -> str:
+  return "has no such array" if shape is None else f"shape {shape}"
+
+
+@jax.jit
+def _all_finite(leaves):
+  """Returns a bool vector: whether each array of `leaves` is all finite."""
+  return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])
 
 
 def abstract_with_shardings(tree: Any, shardings: Any) -> Any:

@@ -24,6 +24,15 @@ def to_float(value) -> float:
   return float(array.reshape(()))
 
 
+def _row_step(line: str, default: int) -> int:
+  """Returns the step of a metrics.jsonl row, `default` for a line that is not one
+  (the torn last line of a process killed while writing it)."""
+  try:
+    return int(json.loads(line).get("step", 0))
+  except (ValueError, AttributeError):
+    return default
+
+
 class MetricsLogger:
   """Writes scalars to TensorBoard event files and `<model_dir>/metrics.jsonl`.
 
@@ -46,11 +55,12 @@ class MetricsLogger:
 
   def drop_rows_after(self, step: int) -> int:
     """Removes the rows of steps after `step` from metrics.jsonl (a resumed run
-    writes those steps again); returns how many rows were removed."""
+    writes those steps again), and a row cut short by a killed process; returns
+    how many rows were removed."""
     if not self.is_chief or not self.jsonl_path.exists():
       return 0
     lines = [l for l in self.jsonl_path.read_text().splitlines() if l.strip()]
-    kept = [l for l in lines if json.loads(l).get("step", 0) <= step]
+    kept = [l for l in lines if _row_step(l, default=step + 1) <= step]
     if len(kept) != len(lines):
       self.jsonl_path.write_text("".join(l + "\n" for l in kept))
     return len(lines) - len(kept)

@@ -1,5 +1,6 @@
-"""The step loop of a training run: periodic logging, evaluation, checkpoints, and
-stopping cleanly on SIGTERM (preemption) or Ctrl-C.
+"""The step loop of a training run: periodic logging, evaluation, checkpoints,
+stopping cleanly on SIGTERM (preemption) or Ctrl-C, and stopping after too many
+consecutive skipped (non-finite) steps.
 
 The loop knows nothing of models or meshes: for each step it asks for the `LoopStage`
 running it (a train step, an evaluation and the stage's batches); trainer.py builds
@@ -11,7 +12,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator
+from typing import Any, Callable, Dict, Iterator, Optional
 
 import jax
 import numpy as np
@@ -31,9 +32,29 @@ class LoopStage:
   batches: Iterator[Dict[str, np.ndarray]]
 
 
-def _mean_metrics(history) -> Dict[str, float]:
-  fetched = jax.device_get(history)
-  return {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
+SKIPPED = "skipped_steps"  # per-step metric of the train step: 1.0 when skipped
+
+
+class TrainingDivergedError(RuntimeError):
+  """Too many consecutive steps had a non-finite loss or gradient norm.
+
+  `step`: the last skipped step; `checkpoint_step`: the newest checkpoint on disk
+  (None when there is none)."""
+
+  def __init__(self, message: str, step: int, checkpoint_step):
+    super().__init__(message)
+    self.step, self.checkpoint_step = step, checkpoint_step
+
+
+def _mean_metrics(fetched) -> Dict[str, float]:
+  """Returns the mean of each metric over the steps of a window that were not
+  skipped (all steps when every one was), and the window's count of skipped steps
+  under SKIPPED."""
+  kept = [m for m in fetched if not m.get(SKIPPED, 0.0)] or fetched
+  means = {k: float(np.mean([m[k] for m in kept])) for k in fetched[0]}
+  if SKIPPED in fetched[0]:
+    means[SKIPPED] = float(sum(m[SKIPPED] for m in fetched))
+  return means
 
 
 class TrainLoop:
@@ -42,15 +63,67 @@ class TrainLoop:
   `stage_for_step(step)` returns the LoopStage that runs training step `step`;
   `checkpointer` saves the state (`save`, `latest_step`, `directory`); `logger`
   writes metric rows (`write(step, scalars)`).
+
+  Steps the train step skipped (metric SKIPPED, a non-finite loss or gradient
+  norm) are counted: per log window (`train/skipped_steps`) and since the run's
+  first step (`train/skipped_steps_total`, starting from `skipped_steps`, the count
+  stored with the checkpoint resumed from; saved in the data position).
+  `max_consecutive_skipped` (None: no limit) of them in a row raise
+  TrainingDivergedError naming the steps and the newest checkpoint on disk.
   """
 
   def __init__(self, stage_for_step: Callable[[int], LoopStage], checkpointer, logger,
-               print_fn: Callable[[str], None], tokens_per_batch: int):
+               print_fn: Callable[[str], None], tokens_per_batch: int,
+               max_consecutive_skipped: Optional[int] = None, skipped_steps: int = 0):
     self.stage_for_step = stage_for_step
     self.ckpt, self.logger, self.print_fn = checkpointer, logger, print_fn
     self.tokens_per_batch = tokens_per_batch
     self.summary: Dict[str, Any] = {}
     self.steady_tokens_per_sec, self.all_tokens_per_sec = [], []
+    self.max_consecutive_skipped = max_consecutive_skipped
+    self.skipped_total, self.consecutive_skipped = int(skipped_steps), 0
+    self._accounted = None  # the last step whose skip flag was read
+
+  def _account(self, step: int, metrics) -> None:
+    """Reads whether `step` (metrics: its device or host metrics) was skipped and
+    updates the counts, once per step, in step order."""
+    if SKIPPED not in metrics or (self._accounted is not None
+                                  and step <= self._accounted):
+      return
+    self._accounted = step
+    fetched = jax.device_get(metrics)
+    if not fetched[SKIPPED]:
+      self.consecutive_skipped = 0
+      return
+    self.skipped_total += 1
+    self.consecutive_skipped += 1
+    self.print_fn(f"step {step}: loss {float(fetched.get('loss', np.nan))}, gradient "
+                  f"norm {float(fetched.get('grad_norm', np.nan))}: not finite, update "
+                  f"skipped ({self.consecutive_skipped} in a row)")
+
+  def _position(self, step: int) -> Dict[str, int]:
+    """Returns the data position saved with the checkpoint of `step`."""
+    return {"train_batches": step, SKIPPED: self.skipped_total}
+
+  def _check_diverged(self, step: int) -> None:
+    """Raises TrainingDivergedError when the consecutive skips reached the limit."""
+    limit = self.max_consecutive_skipped
+    if not limit or self.consecutive_skipped < limit:
+      return
+    wait = getattr(self.ckpt, "wait_until_finished", None)
+    if wait is not None:
+      wait()
+    latest = self.ckpt.latest_step()
+    first = step - self.consecutive_skipped + 1
+    where = (f"the newest checkpoint on disk is {self.ckpt.directory}/{latest}, "
+             f"whose parameters are those after step {min(latest, first - 1)}"
+             if latest is not None
+             else "no checkpoint was saved")
+    raise TrainingDivergedError(
+        f"stopping at step {step}: {self.consecutive_skipped} consecutive steps "
+        f"({first} to {step}) had a non-finite loss or gradient norm and were skipped "
+        f"(train.max_consecutive_skipped_steps = {limit}); {where}. Lower the learning "
+        "rate or check the data, then relaunch.", step, latest)
 
   def evaluate(self, step, params, write=True):
     """Prints (and, if `write`, logs) validation metrics at `step`."""
@@ -71,7 +144,10 @@ class TrainLoop:
     """Writes the mean metrics of the steps in `history` and a progress line."""
     # Fetching the metrics waits for the window's steps (dispatch is asynchronous),
     # so the clock is read after it.
-    means = _mean_metrics(history)
+    fetched = jax.device_get(history)
+    for i, metrics in enumerate(fetched):
+      self._account(step - len(fetched) + 1 + i, metrics)
+    means = _mean_metrics(fetched)
     tokens_per_sec = len(history) * self.tokens_per_batch / (
         time.perf_counter() - window_start)
     self.all_tokens_per_sec.append(tokens_per_sec)
@@ -81,6 +157,8 @@ class TrainLoop:
     scalars = {k if k.startswith("moe/") else f"train/{k}": v
                for k, v in means.items()}
     scalars["train/tokens_per_sec"] = tokens_per_sec
+    if SKIPPED in means:
+      scalars["train/skipped_steps_total"] = float(self.skipped_total)
     self.logger.write(step, scalars)
     # `loss` everywhere (progress line, summary, metrics.jsonl) is the objective's
     # total: cross-entropy plus the auxiliary (router, z) losses; `ce_loss` is the
@@ -103,7 +181,7 @@ class TrainLoop:
                           stop)
       final_step = int(state.step)
       if self.ckpt.latest_step() != final_step:
-        self.ckpt.save(final_step, state, {"train_batches": final_step}, force=True)
+        self.ckpt.save(final_step, state, self._position(final_step), force=True)
     self.summary["final_step"] = final_step
     self.summary["preempted"] = bool(stop)
     self.summary["interrupted"] = "SIGINT" in stop
@@ -124,21 +202,27 @@ class TrainLoop:
     signal is acted on after the step in flight, not after a queue of them.
     """
     history, window_start, previous = [], time.perf_counter(), None
+    is_due = getattr(self.ckpt, "is_save_due", lambda step: True)
     for step in range(start + 1, train_steps + 1):
       stage = self.stage_for_step(step)
       state, metrics = stage.train_step(state, next(stage.batches))
       history.append(metrics)
       if previous is not None:
-        jax.block_until_ready(previous)
-      previous = metrics
+        jax.block_until_ready(previous[1])
+        self._account(*previous)
+        self._check_diverged(previous[0])
+      previous = (step, metrics)
       if step % log_every == 0 or step == train_steps or (stop and history):
         self.log(step, history, window_start,
                  compiled_in_window=step - len(history) == start, progress=progress)
         history, window_start = [], time.perf_counter()
+        self._check_diverged(step)
       # The last step's checkpoint is forced here, so that it is written while the
       # final evaluation runs rather than after it.
-      self.ckpt.save(step, state, {"train_batches": step},
-                     force=step == train_steps or bool(stop))
+      force = step == train_steps or bool(stop)
+      if force or is_due(step):
+        self._account(step, metrics)  # the skip count saved is exact
+      self.ckpt.save(step, state, self._position(step), force=force)
       if stop:
         break
       if step % eval_every == 0 or step == train_steps:

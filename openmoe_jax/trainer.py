@@ -22,6 +22,7 @@ import numpy as np
 import optax
 
 from openmoe_jax import gin_utils, partitioning
+from openmoe_jax import checkpoints
 from openmoe_jax.checkpoints import Checkpointer, abstract_with_shardings
 from openmoe_jax.config import ModelConfig, build_model_config
 from openmoe_jax.convert import params_export
@@ -30,7 +31,7 @@ from openmoe_jax.metrics import MetricsLogger
 from openmoe_jax.model import Decoder
 from openmoe_jax.objectives import CausalLm
 from openmoe_jax.optim import learning_rate
-from openmoe_jax.train_loop import LoopStage, TrainLoop
+from openmoe_jax.train_loop import SKIPPED, LoopStage, TrainLoop
 
 
 @flax.struct.dataclass
@@ -80,6 +81,12 @@ def make_train_step(model, objective, optimizer, microbatches: int = 1) -> Calla
   k*b rows: token-averaged terms are weighted by each slice's share of the batch's
   target tokens (decoder_loss_weights), router aux losses (means over groups) by 1/k.
   MoE groups must not straddle slices (group_size divides the slice's tokens).
+
+  A step whose loss or gradient norm is not finite (NaN/Inf) is skipped: the new
+  state keeps the old parameters and optimizer state (so the learning-rate schedule
+  does not advance either) but the step counter advances, because it counts the
+  batches consumed: the bad batch is not retried. metrics["skipped_steps"] is 1.0
+  for a skipped step, else 0.0.
   """
   def weighted_loss(params, batch, rng, total_tokens):
     loss, metrics = objective(model, params, batch, rng, train=True)
@@ -116,9 +123,15 @@ def make_train_step(model, objective, optimizer, microbatches: int = 1) -> Calla
     loss, metrics, grads = accumulate(state.params, batch, step_rng, total_tokens)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    keep = lambda new, old: jnp.where(finite, new, old)
+    params = jax.tree.map(keep, params, state.params)
+    opt_state = jax.tree.map(keep, opt_state, state.opt_state)
     metrics["loss"] = loss
-    metrics["grad_norm"] = optax.tree.norm(grads)
+    metrics["grad_norm"] = grad_norm
     metrics["learning_rate"] = learning_rate(opt_state)
+    metrics["skipped_steps"] = 1.0 - finite.astype(jnp.float32)
     return TrainState(state.step + 1, params, opt_state), metrics
   return train_step
 
@@ -246,6 +259,7 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
           checkpoint_every_steps: int = 100, keep_checkpoints: int = 3,
           seed: int = 0, num_devices: Optional[int] = None, microbatches: int = 1,
           distributed: Optional[bool] = None, stages: Sequence[Stage] = (),
+          restore_fallback: bool = True, max_consecutive_skipped_steps: int = 10,
           print_fn: Callable[[str], None] = print) -> Dict[str, Any]:
   """Trains (or resumes) a Decoder; returns a summary dict (first/last eval loss,
   tokens/s, final step, train loss; `last_eval_metrics` and `last_train_metrics`:
@@ -256,6 +270,18 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
 
   `distributed`: call `jax.distributed.initialize()` (multi-host pods); None detects
   a multi-host TPU VM from its environment.
+
+  Before anything is compiled, MODEL_DIR must be writable
+  (`checkpoints.UnwritableDirectoryError`) and every stage's train and eval data
+  files must exist and parse (`pipeline.DataFileError`). Partial saves of a killed
+  run are deleted. `restore_fallback`: a damaged latest checkpoint is reported and
+  the previous complete one restored (True, the default), or the run stops
+  (`checkpoints.CheckpointDamagedError`). A checkpoint that does not fit the model
+  raises `checkpoints.CheckpointMismatchError` and changes nothing on disk.
+
+  A step whose loss or gradient norm is not finite leaves the parameters and the
+  optimizer state unchanged (`train/skipped_steps`); `max_consecutive_skipped_steps`
+  of them in a row stop the run with `train_loop.TrainingDivergedError`.
   """
   maybe_initialize_distributed(distributed)
   objective = objective or CausalLm()
@@ -263,6 +289,9 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
   if stages[0].start_step != 0 or any(
       a.start_step >= b.start_step for a, b in zip(stages, stages[1:])):
     raise ValueError(f"train.stages must start at step 0 and increase: {stages}")
+  checkpoints.check_writable(model_dir)
+  for name in sorted({stage.mixture_or_task_name for stage in stages}):
+    pipeline.validate_data(name, splits=("train", eval_split))
   vocab = pipeline.vocabulary_for(mixture_or_task_name)
   cfg = build_model_config(model_config, vocab.vocab_size)
   mesh = partitioning.make_mesh(num_devices)
@@ -275,8 +304,11 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
   with partitioning.activate(mesh), contextlib.ExitStack() as cleanup:
     trainer = Trainer(Decoder(cfg), objective, optimizer, mesh, sequence_length,
                       microbatches)
-    ckpt = Checkpointer(model_dir, checkpoint_every_steps, keep_checkpoints)
+    ckpt = Checkpointer(model_dir, checkpoint_every_steps, keep_checkpoints,
+                        restore_fallback=restore_fallback, print_fn=print_fn)
     cleanup.callback(ckpt.close)  # waits for a checkpoint still being written
+    for path in ckpt.remove_partial_saves():
+      print_fn(f"Removed {path}: a checkpoint whose writing was interrupted")
     state, position = _initial_state(trainer, ckpt, model_dir, rng, print_fn)
     start = int(state.step)
     _print_model_summary(print_fn, cfg, trainer.abstract_state.params, mesh)
@@ -300,7 +332,9 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
       print_fn(f"Dropped {dropped} metrics.jsonl row(s) past step {start} (steps "
                "that ran after the last checkpoint; this run repeats them)")
     loop = TrainLoop(stage_for_step, ckpt, logger, print_fn,
-                     tokens_per_batch=batch_size * sequence_length)
+                     tokens_per_batch=batch_size * sequence_length,
+                     max_consecutive_skipped=max_consecutive_skipped_steps,
+                     skipped_steps=position.get(SKIPPED, 0))
     summary = loop.run(state, train_steps, eval_every_steps, log_every_steps)
     if ckpt.saving_in_progress():
       print_fn(f"Waiting for the checkpoint of step {summary['final_step']} to be "

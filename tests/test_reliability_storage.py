@@ -157,7 +157,11 @@ def test_changed_shape_is_not_taken_for_damage(tmp_path):
   with checkpoints.Checkpointer(model_dir, 1, None, print_fn=lambda m: None) as ckpt:
     with pytest.raises(ValueError, match="shape") as error:
       ckpt.restore(abstract_state=abstract)
-  assert not isinstance(error.value, checkpoints.CheckpointError)
+  # A changed configuration, named as such (before Orbax reads anything), not damage.
+  assert isinstance(error.value, checkpoints.CheckpointMismatchError)
+  assert not isinstance(error.value, checkpoints.CheckpointDamagedError)
+  assert "params/w: checkpoint shape (3, 4), model shape (3, 5)" in str(error.value)
+  assert error.value.mismatches == [("params/w", (3, 4), (3, 5))]
   assert _tree_digest(model_dir) == before
 
 
@@ -263,3 +267,18 @@ def test_failed_synchronous_save_raises_and_keeps_previous(tmp_path, monkeypatch
     monkeypatch.undo()
     assert ckpt.all_steps() == [1, 2]
   assert _tree_digest(model_dir) == before
+
+
+def test_a_state_holding_nan_is_never_saved(tmp_path):
+  _saved(tmp_path, steps=(1,))
+  before = _tree_digest(tmp_path)
+  bad = _state(2)
+  bad["params"]["w"] = bad["params"]["w"].at[1, 2].set(jnp.inf)
+  with checkpoints.Checkpointer(tmp_path, 1, None) as ckpt:
+    with pytest.raises(checkpoints.NonFiniteStateError,
+                       match=r"step 2: .*\['params'\]\['w'\].*steps \[1\]"):
+      ckpt.save(2, bad, {"train_batches": 2})
+    assert ckpt.save(3, _state(3), {"train_batches": 3})  # a finite one still saves
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "3"]
+  assert {k: v for k, v in _tree_digest(tmp_path).items() if k.startswith("checkpoints/1/")} == {
+      k: v for k, v in before.items() if k.startswith("checkpoints/1/")}
