@@ -41,6 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from openmoe_jax import errors
+
 _STATE = "state"
 _DATA_POSITION = "data_position"
 DAMAGED_DIR = "damaged_checkpoints"
@@ -67,7 +69,7 @@ class _DelayedJsonHandler(ocp.JsonCheckpointHandler):
     await super()._save_fn(x, directory)
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(errors.RunError):
   """Base of the checkpoint faults below; `directory` is the path concerned."""
 
   def __init__(self, message: str, directory: str, step: Optional[int] = None):
@@ -87,7 +89,7 @@ class NonFiniteStateError(CheckpointError):
   """A state to be saved holds NaN or Inf; nothing was written."""
 
 
-class CheckpointMismatchError(CheckpointError, ValueError):
+class CheckpointMismatchError(CheckpointError, errors.InputError):
   """A checkpoint does not fit the state being restored (changed configuration).
 
   `mismatches`: [(parameter path, checkpoint shape or None, model shape or None)]."""

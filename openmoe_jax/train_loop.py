@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, Iterator, Optional
 import jax
 import numpy as np
 
+from openmoe_jax import errors
 from openmoe_jax.metrics import ProgressPrinter
 
 
@@ -35,7 +36,7 @@ class LoopStage:
 SKIPPED = "skipped_steps"  # per-step metric of the train step: 1.0 when skipped
 
 
-class TrainingDivergedError(RuntimeError):
+class TrainingDivergedError(errors.RunError):
   """Too many consecutive steps had a non-finite loss or gradient norm.
 
   `step`: the last skipped step; `checkpoint_step`: the newest checkpoint on disk

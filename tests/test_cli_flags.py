@@ -6,7 +6,9 @@ import re
 
 import pytest
 
+from openmoe_jax import checkpoints, errors, train_loop
 from openmoe_jax.cli import flags
+from openmoe_jax.data import sources
 
 # console_scripts of setup.py: program -> module whose main() it runs.
 PROGRAMS = {
@@ -117,3 +119,29 @@ def test_verbose_shows_the_traceback(capsys):
   assert "--verbose" in capsys.readouterr().err
   assert program.main(body, ["--verbose"]) == flags.EXIT_USAGE
   assert "Traceback" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("error, code, prefix", [
+    (errors.RunError("every checkpoint under /r is damaged\ndetails"), 1, "stopped: "),
+    (errors.InputError("/d/x.jsonl:4: not a JSON line"), 2, "error: "),
+])
+def test_run_and_input_errors_are_one_line_without_traceback(error, code, prefix,
+                                                            capsys):
+  program = flags.Program("openmoe-x", "Does x.", ["openmoe-x"])
+
+  def body(args, gin_flags):
+    raise error
+
+  assert program.main(body, []) == code
+  err = capsys.readouterr().err
+  first = str(error).splitlines()[0]
+  assert err.strip() == f"openmoe-x: {prefix}{first}"  # no hint, no traceback
+
+
+def test_reliability_errors_are_run_or_input_errors():
+  for run_error in (checkpoints.CheckpointSaveError, checkpoints.CheckpointDamagedError,
+                    checkpoints.UnwritableDirectoryError, checkpoints.NonFiniteStateError,
+                    train_loop.TrainingDivergedError):
+    assert issubclass(run_error, errors.RunError), run_error
+  for input_error in (checkpoints.CheckpointMismatchError, sources.DataFileError):
+    assert issubclass(input_error, errors.InputError), input_error

@@ -30,7 +30,7 @@ from openmoe_jax.objectives import CausalLm
 from openmoe_jax.train_loop import TrainingDivergedError
 from openmoe_jax.trainer import train
 
-TRAIN_MODULE = "openmoe_jax.train"
+TRAIN_MODULE = "openmoe_jax.cli.train"
 
 TINY_BINDINGS = [
     "ModelConfig.d_model = 32", "ModelConfig.num_heads = 2", "ModelConfig.head_dim = 16",

@@ -22,9 +22,10 @@ import textwrap
 import traceback
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from openmoe_jax import gin_utils
+from openmoe_jax import errors, gin_utils
 
 EXIT_OK = 0
+EXIT_RUN_FAILED = 1  # the run stopped: storage failure, divergence (one line)
 EXIT_USAGE = 2  # bad command line or configuration (argparse's code)
 EXIT_INTERRUPTED = 130  # Ctrl-C (the shell's code for an interrupted command)
 
@@ -47,7 +48,7 @@ USER_ERRORS = (UsageError, gin_utils.GinConfigError, FileNotFoundError,
 
 
 _SELF_EXPLAINING = (gin_utils.GinConfigError, FileNotFoundError, FileExistsError,
-                    NotADirectoryError)
+                    NotADirectoryError, errors.InputError)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -147,6 +148,12 @@ class Program:
       lines = str(e).strip().splitlines() or [type(e).__name__]
       self.error(lines[0] + hint)
       return EXIT_USAGE
+    except errors.RunError as e:
+      if verbose:
+        traceback.print_exc()
+      lines = str(e).strip().splitlines() or [type(e).__name__]
+      print(f"{self.prog}: stopped: {lines[0]}", file=sys.stderr, flush=True)
+      return EXIT_RUN_FAILED
     except KeyboardInterrupt:
       print(f"\n{self.prog}: interrupted", file=sys.stderr, flush=True)
       return EXIT_INTERRUPTED

@@ -24,6 +24,8 @@ import gin
 import seqio
 import tensorflow as tf
 
+from openmoe_jax import errors
+
 FilePatterns = Mapping[str, Union[str, Sequence[str]]]
 FILE_FORMATS = ("jsonl", "text")
 RECORD_FORMATS = ("tf_example", "text")
@@ -33,7 +35,7 @@ _MARK = "openmoe_jax data error: "
 VALIDATE_ATTR = "openmoe_validate"  # set on the seqio sources built here
 
 
-class DataFileError(ValueError):
+class DataFileError(errors.InputError):
   """A data file is missing, empty or malformed; `path`, and `line` (1-based) or
   `record` (0-based) where known."""
 
