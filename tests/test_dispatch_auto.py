@@ -7,16 +7,16 @@ import numpy as np
 from openmoe_jax import partitioning
 from openmoe_jax.config import MoeConfig
 from openmoe_jax.kernels.target import compile_target
-from openmoe_jax.moe.dispatch import EinsumDispatcher, SortDispatcher
-from openmoe_jax.moe.dispatch_auto import AutoDispatcher
-from openmoe_jax.moe.expert_parallel import AllToAllDispatcher
-from openmoe_jax.moe.expert_parallel_ragged import RaggedAllToAllDispatcher
-from openmoe_jax.moe.dispatch_ragged import RaggedDispatcher
+from openmoe_jax.moe.dispatch import (AllToAllDispatcher, AutoDispatcher,
+                                      EinsumDispatcher, RaggedAllToAllDispatcher,
+                                      RaggedDispatcher, SortDispatcher)
+from openmoe_jax.moe.layer import dispatcher_of
 from openmoe_jax.moe.routers import expert_capacity, top_k_capacity_routing
 
 
 def test_moe_config_defaults_to_auto():
-  assert isinstance(MoeConfig().dispatcher, AutoDispatcher)
+  assert MoeConfig().dispatcher is None
+  assert isinstance(dispatcher_of(MoeConfig()), AutoDispatcher)
 
 
 def test_choice_per_platform_and_size():
@@ -38,14 +38,14 @@ def test_choice_per_platform_and_size():
                             axis_types=(jax.sharding.AxisType.Auto,))
   with compile_target("TPU v5p"):
     with partitioning.activate(expert_mesh):
-      assert auto.choose(256, 8, 40, 2) == AllToAllDispatcher(buffers=SortDispatcher())
+      assert auto.choose(256, 8, 40, 2) == AllToAllDispatcher(buffer_dispatcher=SortDispatcher())
       # Dropless (capacity = the group): exact-size ragged exchange.
       assert auto.choose(256, 8, 256, 2) == RaggedAllToAllDispatcher(backend="pallas")
     with partitioning.activate(data_mesh):
       assert auto.choose(256, 8, 40, 2) == RaggedDispatcher("pallas")
   with compile_target("TPU v3"), partitioning.activate(expert_mesh):
     # v3 has no ragged_all_to_all: fixed-capacity all_to_all over sorted buffers.
-    assert auto.choose(256, 8, 256, 2) == AllToAllDispatcher(buffers=SortDispatcher())
+    assert auto.choose(256, 8, 256, 2) == AllToAllDispatcher(buffer_dispatcher=SortDispatcher())
 
 
 class _Experts:

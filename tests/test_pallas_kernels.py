@@ -16,7 +16,7 @@ from openmoe_jax.config import MoeConfig
 from openmoe_jax.kernels import permute, permute_pallas
 from openmoe_jax.kernels.pallas_gmm import choose_tiling, pallas_gmm
 from openmoe_jax.kernels.target import compile_target, on_tpu, tpu_generation
-from openmoe_jax.moe.dispatch_ragged import RaggedDispatcher
+from openmoe_jax.moe.dispatch import RaggedDispatcher
 from openmoe_jax.moe.layer import MoeLayer
 from openmoe_jax.moe.routers import top_k_capacity_routing
 

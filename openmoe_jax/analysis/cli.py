@@ -22,6 +22,7 @@ from openmoe_jax.analysis import analyses, plots
 from openmoe_jax.analysis.record import RoutingRecord, make_routing_fn, record_routing
 from openmoe_jax.analysis.report import write_report
 from openmoe_jax.cli import flags
+from openmoe_jax.moe.layer import router_of
 from openmoe_jax.moe.routers import PRIORITIES
 
 
@@ -90,7 +91,7 @@ def _select_steps(available: List[int], spec: str) -> List[int]:
 def with_priority(cfg, priority: Optional[str]):
   """Returns `cfg` with its token-choice router's priority set to `priority`
   (unchanged for None); ValueError for an expert-choice model."""
-  router = cfg.moe.router
+  router = router_of(cfg.moe)
   if priority is None:
     return cfg
   if not hasattr(router, "priority"):
@@ -112,7 +113,7 @@ def record_checkpoints(args, say: Callable[[str], None]):
   say(f"model: {run.config.num_layers} layers, {run.config.moe.num_experts} experts; "
       f"checkpoints {steps}; tasks {tasks}; {args.num_batches} x {batch_size} x {seq_len}")
   config = with_priority(run.config, args.priority)
-  priority = getattr(config.moe.router, "priority", None)
+  priority = getattr(router_of(config.moe), "priority", None)
   if priority:
     say(f"token-choice priority: {priority}")
   routing_fn = make_routing_fn(config, train=True)
