@@ -1,14 +1,14 @@
 """AutoDispatcher: which engine it picks per platform and size, and that it is that
 engine exactly."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from openmoe_jax import partitioning
 from openmoe_jax.config import MoeConfig
 from openmoe_jax.kernels.target import compile_target
 from openmoe_jax.moe.dispatch import (AllToAllDispatcher, AutoDispatcher,
-                                      EinsumDispatcher, RaggedAllToAllDispatcher,
+                                      EinsumDispatcher, ExpertWeights,
+                                      RaggedAllToAllDispatcher,
                                       RaggedDispatcher, SortDispatcher)
 from openmoe_jax.moe.layer import dispatcher_of
 from openmoe_jax.moe.routers import expert_capacity, top_k_capacity_routing
@@ -48,27 +48,15 @@ def test_choice_per_platform_and_size():
     assert auto.choose(256, 8, 256, 2) == AllToAllDispatcher(buffer_dispatcher=SortDispatcher())
 
 
-class _Experts:
-  """One linear map per expert, in both dispatcher interfaces."""
-
-  def __init__(self, w_edd):
-    self.w_edd = w_edd
-
-  def __call__(self, x_end):
-    return jnp.einsum("end,edf->enf", x_end, self.w_edd)
-
-  def grouped(self, x_nd, group_sizes_e, matmul):
-    return matmul(x_nd, self.w_edd, group_sizes_e)
-
-
 def test_output_is_the_chosen_engines():
   g, s, d, num_experts = 2, 16, 8, 4
   x = jax.random.normal(jax.random.PRNGKey(0), (g, s, d))
   probs = jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(1), (g, s, num_experts)))
   routing = top_k_capacity_routing(probs, 2, 5)  # overflow: some choices dropped
-  experts = _Experts(jax.random.normal(jax.random.PRNGKey(2), (num_experts, d, d)))
+  w0, w1, w2 = jax.random.normal(jax.random.PRNGKey(2), (3, num_experts, d, d))
+  weights = ExpertWeights(wi_0=w0, wi_1=w1, wo=w2, kind="swiglu")
   for auto, engine in [(AutoDispatcher(), EinsumDispatcher()),
                        (AutoDispatcher(einsum_max_elements=0), SortDispatcher())]:
-    got = jax.jit(lambda x: auto(x, routing, experts, num_experts))(x)
-    want = jax.jit(lambda x: engine(x, routing, experts, num_experts))(x)
+    got = jax.jit(lambda x: auto(x, routing, weights))(x)
+    want = jax.jit(lambda x: engine(x, routing, weights))(x)
     np.testing.assert_array_equal(got, want)

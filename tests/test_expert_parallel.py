@@ -17,9 +17,8 @@ from jax.sharding import PartitionSpec as P
 from openmoe_jax import gin_utils, partitioning, plan
 from openmoe_jax.config import ModelConfig, MoeConfig
 from openmoe_jax.model import Decoder
-from openmoe_jax.moe.dispatch import EinsumDispatcher, SortDispatcher
-from openmoe_jax.moe.dispatch import AllToAllDispatcher
-from openmoe_jax.moe.dispatch import RaggedAllToAllDispatcher
+from openmoe_jax.moe.dispatch import (AllToAllDispatcher, EinsumDispatcher,
+                                      RaggedAllToAllDispatcher, SortDispatcher)
 from openmoe_jax.moe.dispatch.ragged_all_to_all import dense_ragged_all_to_all
 from openmoe_jax.objectives import CausalLm
 from openmoe_jax.trainer import init_train_state, make_train_step
