@@ -18,6 +18,7 @@ from openmoe_jax.analysis.routing import moe_layer_numbers
 from openmoe_jax.cli import flags
 from openmoe_jax.config import ModelConfig, MoeConfig
 from openmoe_jax.model import Decoder
+from openmoe_jax.moe.layer import router_of
 from openmoe_jax.moe.routers_expert_choice import ExpertChoiceRouter
 from openmoe_jax.trainer import train
 
@@ -189,7 +190,8 @@ def test_analyze_priority_flag_reroutes_token_choice_only():
   assert cli.with_priority(cfg, None) is cfg
   rerouted = cli.with_priority(cfg, "position_major")
   assert rerouted.moe.router.priority == "position_major"
-  assert rerouted.moe.router.capacity_per_choice == cfg.moe.router.capacity_per_choice
+  assert (rerouted.moe.router.capacity_per_choice
+          == router_of(cfg.moe).capacity_per_choice)
   assert cli.parse_args(["--model_dir=x", "--output=y", "--priority=position_major"]
                         ).priority == "position_major"
   with pytest.raises(flags.UsageError, match="priority"):

@@ -12,7 +12,8 @@ from openmoe_jax.moe.dispatch.base import expert_mlp
 from openmoe_jax.moe.experts import Experts
 from openmoe_jax.moe.gates import check_gate_kind, gate_scores
 from openmoe_jax.moe.routers import RouterLogits
-from openmoe_jax.moe.routers_expert_choice import ExpertChoiceRouter  # noqa: F401 (gin)
+# Both routing policies, so that gin can name either: MoeConfig.router = @...().
+from openmoe_jax.moe.routers_expert_choice import ExpertChoiceRouter  # noqa: F401
 from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter
 
 
