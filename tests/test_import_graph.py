@@ -129,7 +129,7 @@ def _cycle_in(graph, component) -> List[str]:
         path = [v]
         while parent[path[-1]] is not None:
           path.append(parent[path[-1]])
-        return [start] + path[::-1][1:] + [start] if len(path) > 1 else [start, v, start]
+        return [start] + path[::-1][1:] + [start]
       if w not in parent:
         parent[w] = v
         queue.append(w)

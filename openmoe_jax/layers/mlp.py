@@ -16,7 +16,7 @@ MLP_KINDS = ("swiglu", "geglu", "openmoe_swiglu")
 
 
 def check_mlp_kind(kind: str) -> None:
-  """Raises ValueError naming `ModelConfig.mlp_kind` for an unknown kind; returns None."""
+  """Raises ValueError naming `ModelConfig.mlp_kind` if `kind` is unknown; else None."""
   if kind not in MLP_KINDS:
     raise ValueError(f"ModelConfig.mlp_kind={kind!r}; choose one of {MLP_KINDS}")
 

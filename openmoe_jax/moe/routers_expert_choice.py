@@ -51,9 +51,9 @@ class ExpertChoiceRouter:
   (`level="sequence"`: an expert never picks across sequences; the MoE group must
   hold whole sequences). k = `top_k` (`MoeConfig.top_k`) is the average number of
   experts per token; cf = `capacity_factor` (`MoeConfig.capacity_factor(train)`;
-  OpenMoE 2 uses 1.0); the MoE layer passes both (`moe.layer.router_arguments`). C is clamped
-  to T because an expert cannot take a token twice: with cf * k >= E (e.g. an eval
-  capacity factor of E / k) every expert takes every token. Tokens taken by no
+  OpenMoE 2 uses 1.0); the MoE layer passes both (`moe.layer.router_arguments`).
+  C is clamped to T because an expert cannot take a token twice: with cf * k >= E
+  (e.g. an eval capacity factor of E / k) every expert takes every token. Tokens taken by no
   expert are dropped (`drop_fraction` = `no_expert_fraction` here).
 
   WARNING: which tokens an expert takes depends on later tokens of the unit, so expert

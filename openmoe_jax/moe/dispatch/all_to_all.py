@@ -42,12 +42,12 @@ class AllToAllDispatcher:
   def __call__(self, x_gsd: jax.Array, routing: Routing,
                weights: ExpertWeights) -> jax.Array:
     num_experts = weights.num_experts
-    mesh = current_expert_mesh(x_gsd.shape[0], num_experts)
-    if mesh is None:
+    expert_mesh = current_expert_mesh(x_gsd.shape[0], num_experts)
+    if expert_mesh is None:
       return self.buffer_dispatcher(x_gsd, routing, weights)
     names = jax.sharding.get_abstract_mesh().axis_names
     group_spec = partitioning.logical_spec(names, "expert_group")
-    expert_axis = mesh.axis(mesh.expert_axes)
+    expert_axis = expert_mesh.axis(expert_mesh.expert_axes)
 
     def local(x_gsd, routing, weights):
       x_egcd = self.buffer_dispatcher.to_buffers(x_gsd, routing, num_experts)
@@ -60,8 +60,8 @@ class AllToAllDispatcher:
       y_gsd = self.buffer_dispatcher.from_buffers(y_egcd, routing, num_experts)
       # Split hidden units give partial sums; summing after the combine moves the
       # fewest bytes.
-      if mesh.hidden_axes:
-        return jax.lax.psum(y_gsd, mesh.axis(mesh.hidden_axes))
+      if expert_mesh.hidden_axes:
+        return jax.lax.psum(y_gsd, expert_mesh.axis(expert_mesh.hidden_axes))
       return y_gsd
 
     weights = split_wi_0(weights)

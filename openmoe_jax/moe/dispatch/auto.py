@@ -5,8 +5,8 @@
   permute kernels (per device under shard_map on a mesh), unless the current mesh
   splits the experts over devices (expert parallelism; the ragged path would gather
   every expert's weights onto every device): then
-  `AllToAllDispatcher(buffer_dispatcher=SortDispatcher())` (fixed-capacity all_to_all of the
-  [E, g, C, d] buffers) for capacity-limited routing, and for dropless routing (the
+  `AllToAllDispatcher(buffer_dispatcher=SortDispatcher())` (fixed-capacity
+  all_to_all of the [E, g, C, d] buffers) for capacity-limited routing, and for dropless routing (the
   buffers would dwarf the choices, as below) on v4 and later
   `RaggedAllToAllDispatcher(backend="pallas")`, which exchanges exactly the routed
   rows (v3 has no ragged_all_to_all and keeps the all_to_all).

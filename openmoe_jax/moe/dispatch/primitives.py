@@ -71,7 +71,7 @@ def group_spec(mesh, num_groups: int) -> PartitionSpec:
 
 
 class ExpertMesh(NamedTuple):
-  """The mesh axes an expert-parallel dispatch uses (names as partitioning maps them)."""
+  """The mesh axes an expert-parallel dispatch uses (as partitioning maps them)."""
 
   group_axes: Tuple[str, ...]  # token groups (the batch axes)
   expert_axes: Tuple[str, ...]  # experts

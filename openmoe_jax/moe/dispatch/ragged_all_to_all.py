@@ -101,13 +101,14 @@ class RaggedAllToAllDispatcher:
   def __call__(self, x_gsd: jax.Array, routing: Routing,
                weights: ExpertWeights) -> jax.Array:
     num_experts = weights.num_experts
-    mesh = current_expert_mesh(x_gsd.shape[0], num_experts)
-    if mesh is None:
+    expert_mesh = current_expert_mesh(x_gsd.shape[0], num_experts)
+    if expert_mesh is None:
       return RaggedDispatcher(backend=self.backend, tile=self.tile)(
           x_gsd, routing, weights)
     names = jax.sharding.get_abstract_mesh().axis_names
     group_spec = partitioning.logical_spec(names, "expert_group")
-    local = functools.partial(self._local, mesh=mesh, num_experts=num_experts)
+    local = functools.partial(self._local, expert_mesh=expert_mesh,
+                              num_experts=num_experts)
     weights = split_wi_0(weights)
     return jax.shard_map(local, in_specs=(group_spec, group_spec,
                                           expert_parallel_specs(weights)),
@@ -115,17 +116,17 @@ class RaggedAllToAllDispatcher:
                          )(x_gsd, routing, weights)
 
   def _local(self, x_gsd: jax.Array, routing: Routing, weights: ExpertWeights, *,
-             mesh: ExpertMesh, num_experts: int) -> jax.Array:
+             expert_mesh: ExpertMesh, num_experts: int) -> jax.Array:
     """The per-device body: returns this device's [g, s, d] outputs."""
     g, s, d = x_gsd.shape
     k = routing.expert_index.shape[-1]
-    axis = mesh.axis(mesh.expert_axes)
+    axis = expert_mesh.axis(expert_mesh.expert_axes)
     exchange = (jax.lax.ragged_all_to_all if self.exchange == "ragged"
                 else dense_ragged_all_to_all)
     # My kept rows sorted by expert: the ones for device p are contiguous.
     order_m, counts_e = sort_by_expert(routing, num_experts)
     token_m = order_m // k
-    counts_pe = counts_e.reshape(mesh.expert_size, -1).astype(jnp.int32)
+    counts_pe = counts_e.reshape(expert_mesh.expert_size, -1).astype(jnp.int32)
     send_p = jnp.sum(counts_pe, axis=1)
     send_offsets_p = exclusive_cumsum(send_p)
     # What each source sends me per local expert, and where my rows land on each
@@ -135,7 +136,7 @@ class RaggedAllToAllDispatcher:
     sent_pp = jax.lax.all_gather(send_p, axis)  # [source, destination]
     land_offsets_p = (jnp.cumsum(sent_pp, axis=0) - sent_pp)[
         jax.lax.axis_index(axis)]
-    num_recv = mesh.expert_size * g * s * k
+    num_recv = expert_mesh.expert_size * g * s * k
     x_rd = exchange(x_gsd.reshape(g * s, d)[token_m], jnp.zeros((num_recv, d),
                     x_gsd.dtype), send_offsets_p, send_p, land_offsets_p, recv_p,
                     axis_name=axis)
@@ -154,6 +155,6 @@ class RaggedAllToAllDispatcher:
     y_md = exchange(y_rd, jnp.zeros((g * s * k, d), y_rd.dtype), recv_offsets_p,
                     recv_p, back_offsets_p, send_p, axis_name=axis)
     y_nd = combine_rows(y_md, order_m, routing, g * s)
-    if mesh.hidden_axes:  # split hidden units: partial sums
-      y_nd = jax.lax.psum(y_nd, mesh.axis(mesh.hidden_axes))
+    if expert_mesh.hidden_axes:  # split hidden units: partial sums
+      y_nd = jax.lax.psum(y_nd, expert_mesh.axis(expert_mesh.hidden_axes))
     return y_nd.reshape(g, s, d)
