@@ -32,9 +32,8 @@ import jax.numpy as jnp  # noqa: E402
 
 from openmoe_jax.config import MoeConfig  # noqa: E402
 from openmoe_jax.layers.mlp import Mlp  # noqa: E402
-from openmoe_jax.moe.dispatch import EinsumDispatcher, SortDispatcher  # noqa: E402
-from openmoe_jax.moe.dispatch_auto import AutoDispatcher  # noqa: E402
-from openmoe_jax.moe.dispatch_ragged import RaggedDispatcher  # noqa: E402
+from openmoe_jax.moe.dispatch import (AutoDispatcher, EinsumDispatcher,  # noqa: E402
+                                      RaggedDispatcher, SortDispatcher)
 from openmoe_jax.moe.layer import MoeLayer  # noqa: E402
 from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter  # noqa: E402
 

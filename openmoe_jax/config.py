@@ -1,7 +1,9 @@
 """Model configuration: small frozen dataclasses, each bindable from gin.
 
-A layer reads only the config it needs (`MoeConfig` for the MoE block, `ModelConfig`
-for the decoder), never a global one.
+Plain data: this module imports nothing of the package. A layer reads only the
+config it needs (`MoeConfig` for the MoE block, `ModelConfig` for the decoder), never
+a global one, and checks the values it alone understands (the MLP kind in
+layers/mlp.py, the gate kind in moe/gates.py) when it is built.
 """
 from __future__ import annotations
 
@@ -10,14 +12,6 @@ from typing import Any, Optional, Tuple
 
 import gin
 
-from openmoe_jax.moe.dispatch import EinsumDispatcher, SortDispatcher  # noqa: F401
-from openmoe_jax.moe.dispatch_auto import AutoDispatcher
-from openmoe_jax.moe.dispatch_ragged import RaggedDispatcher  # noqa: F401 (gin)
-from openmoe_jax.moe.gates import GATE_KINDS
-from openmoe_jax.moe.routers_expert_choice import ExpertChoiceRouter  # noqa: F401 (gin)
-from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter
-
-MLP_KINDS = ("swiglu", "geglu", "openmoe_swiglu")
 ATTENTION_KINDS = ("causal", "prefix", "bidirectional")
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 DTYPES = ("float32", "bfloat16")
@@ -28,18 +22,21 @@ DTYPES = ("float32", "bfloat16")
 class MoeConfig:
   """Sparse (ST-MoE) block settings; defaults follow OpenMoE v1.
 
-  `router` is a router object chosen in gin (`@TokenChoiceRouter()`, the default, or
-  `@ExpertChoiceRouter()`); it reads the shared fields here. `gate` is "softmax" or
-  "sigmoid" over the router logits; `renormalize_gates` renormalises the selected
-  routed gates per token; `routed_scaling_factor` multiplies every routed gate.
-  Shared experts (`num_shared_experts` MLPs of `shared_expert_d_ff`, None: the expert
-  size) are always-on and added with weight 1, or with `shared_experts_gated` weighted
-  by their own router rows (`router/w_shared`), normalised jointly with the routed
-  logits by the gate function (not renormalised, not scaled). `dispatcher` is the
-  dispatch engine chosen in gin: `@AutoDispatcher()` (the default: Pallas ragged on
-  TPU, einsum for small E x C elsewhere, else sort), `@EinsumDispatcher()`,
-  `@SortDispatcher()` (same drops, no E x C one-hots) or `@RaggedDispatcher()`
-  (grouped matmul; dropless with `TokenChoiceRouter.dropless = True`).
+  `router` is the routing policy chosen in gin (`@TokenChoiceRouter()` or
+  `@ExpertChoiceRouter()`; None, the default, means `TokenChoiceRouter()`, resolved
+  by `MoeLayer`), called with the shared fields here as arguments. `gate` is
+  "softmax" or "sigmoid" over the router logits (checked by moe/gates.py);
+  `renormalize_gates` renormalises the selected routed gates per token;
+  `routed_scaling_factor` multiplies every routed gate. Shared experts
+  (`num_shared_experts` MLPs of `shared_expert_d_ff`, None: the expert size) are
+  always-on and added with weight 1, or with `shared_experts_gated` weighted by their
+  own router rows (`router/w_shared`), normalised jointly with the routed logits by
+  the gate function (not renormalised, not scaled). `dispatcher` is the dispatch
+  engine chosen in gin (moe/dispatch/): `@AutoDispatcher()` (None, the default, means
+  it: Pallas ragged on TPU, einsum for small E x C elsewhere, else sort),
+  `@EinsumDispatcher()`, `@SortDispatcher()` (same drops, no E x C one-hots) or
+  `@RaggedDispatcher()` (grouped matmul; dropless with
+  `TokenChoiceRouter.dropless = True`).
   """
 
   num_experts: int = 16
@@ -54,18 +51,16 @@ class MoeConfig:
   lb_loss_weight: float = 0.01
   z_loss_weight: float = 1e-4
   router_init_std: float = 0.02
-  router: Any = dataclasses.field(default_factory=TokenChoiceRouter)
+  router: Any = None  # None: TokenChoiceRouter()
   gate: str = "softmax"
   routed_scaling_factor: float = 1.0
   tokenwise_lb_loss_weight: float = 0.0  # expert choice's token-wise LB loss
   num_shared_experts: int = 0
   shared_expert_d_ff: Optional[int] = None
   shared_experts_gated: bool = False
-  dispatcher: Any = dataclasses.field(default_factory=AutoDispatcher)
+  dispatcher: Any = None  # None: AutoDispatcher()
 
   def __post_init__(self):
-    if self.gate not in GATE_KINDS:
-      raise ValueError(f"MoeConfig.gate={self.gate!r}; choose one of {GATE_KINDS}")
     if self.num_shared_experts < 0:
       raise ValueError("MoeConfig.num_shared_experts must be >= 0")
     if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
@@ -101,7 +96,7 @@ class ModelConfig:
   head_dim: int = 64
   d_ff: int = 1024
   num_layers: int = 4
-  mlp_kind: str = "openmoe_swiglu"
+  mlp_kind: str = "openmoe_swiglu"  # layers/mlp.py MLP_KINDS (checked there)
   sparse_interval: int = 2
   num_dense_first: int = 0
   layer_pattern: Optional[str] = None
@@ -118,7 +113,6 @@ class ModelConfig:
   scale_attention_logits: bool = True
 
   def __post_init__(self):
-    _check_choice("mlp_kind", self.mlp_kind, MLP_KINDS)
     _check_choice("remat_policy", self.remat_policy, REMAT_POLICIES)
     _check_choice("dtype", self.dtype, DTYPES)
     if self.num_layers < 1 or self.sparse_interval < 0 or self.num_dense_first < 0:

@@ -22,6 +22,7 @@ from openmoe_jax import param_count, partitioning
 from openmoe_jax.config import ModelConfig
 from openmoe_jax.kernels import target
 from openmoe_jax.model import Decoder
+from openmoe_jax.moe.layer import dispatcher_of
 from openmoe_jax.objectives import CausalLm
 from openmoe_jax.optim import adafactor_openmoe
 from openmoe_jax.trainer import init_train_state, make_train_step
@@ -133,7 +134,7 @@ def plan(topology: str, batch_size: int, sequence_length: int = 2048,
   report = {
       "topology": topology, "device_kind": kind, "num_chips": num_chips,
       "num_devices": len(devices), "mesh": dict(mesh.shape),
-      "dispatcher": type(cfg.moe.dispatcher).__name__,
+      "dispatcher": type(dispatcher_of(cfg.moe)).__name__,
       "batch_size": batch_size, "sequence_length": sequence_length,
       "hbm_bytes_per_chip": hbm_per_chip, "hbm_bytes_per_device": hbm_per_device,
       "argument_bytes": memory.argument_size_in_bytes,

@@ -13,6 +13,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from openmoe_jax.config import MoeConfig
+from openmoe_jax.moe.layer import router_of
 from openmoe_jax.moe.routers_expert_choice import ExpertChoiceRouter
 
 
@@ -92,10 +93,11 @@ def reference_token_capacity(cfg: MoeConfig, tokens_per_group: int, train: bool)
   Dropless: the whole group. ST-MoE: max(round(cf x T / E), min_capacity).
   Per choice (Megatron, OpenMoE 2): max(round(cf x k x T / E), min_capacity).
   """
-  if cfg.router.dropless:
+  router = router_of(cfg)
+  if router.dropless:
     return tokens_per_group
   cf = cfg.capacity_factor_train if train else cfg.capacity_factor_eval
-  choices = tokens_per_group * (cfg.top_k if cfg.router.capacity_per_choice else 1)
+  choices = tokens_per_group * (cfg.top_k if router.capacity_per_choice else 1)
   return max(int(round(cf * choices / cfg.num_experts)), cfg.min_capacity)
 
 
@@ -125,7 +127,7 @@ def reference_expert_choice(scores, capacity: int, unit_length: int, renormalize
 def _route_group(scores, cfg: MoeConfig, train: bool, t: int):
   """Returns ([(token, expert, gate) served], dropped count, options) for one group."""
   s, num_experts = scores.shape
-  router = cfg.router
+  router = router_of(cfg)
   cf = cfg.capacity_factor_train if train else cfg.capacity_factor_eval
   if isinstance(router, ExpertChoiceRouter):
     unit = t if router.level == "sequence" else s

@@ -19,6 +19,7 @@ from openmoe_jax.cli import analyze as cli
 from openmoe_jax.cli import flags
 from openmoe_jax.config import ModelConfig, MoeConfig
 from openmoe_jax.model import Decoder
+from openmoe_jax.moe.layer import router_of
 from openmoe_jax.moe.routers_expert_choice import ExpertChoiceRouter
 from openmoe_jax.trainer import train
 
@@ -190,7 +191,8 @@ def test_analyze_priority_flag_reroutes_token_choice_only():
   assert study.with_priority(cfg, None) is cfg
   rerouted = study.with_priority(cfg, "position_major")
   assert rerouted.moe.router.priority == "position_major"
-  assert rerouted.moe.router.capacity_per_choice == cfg.moe.router.capacity_per_choice
+  assert (rerouted.moe.router.capacity_per_choice
+          == router_of(cfg.moe).capacity_per_choice)
   assert cli.parse_args(["--model_dir=x", "--output=y", "--priority=position_major"]
                         ).priority == "position_major"
   with pytest.raises(flags.UsageError, match="priority"):

@@ -8,10 +8,9 @@ import pytest
 
 from openmoe_jax.config import ModelConfig, MoeConfig
 from openmoe_jax.model import Decoder
-from openmoe_jax.moe.dispatch import EinsumDispatcher, SortDispatcher
-from openmoe_jax.moe.dispatch_auto import AutoDispatcher
-from openmoe_jax.moe.dispatch_ragged import RaggedDispatcher
-from openmoe_jax.moe.layer import MoeLayer
+from openmoe_jax.moe.dispatch import (AutoDispatcher, EinsumDispatcher, RaggedDispatcher,
+                                      SortDispatcher)
+from openmoe_jax.moe.layer import MoeLayer, dispatcher_of
 from openmoe_jax.moe.routers_expert_choice import ExpertChoiceRouter
 from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter
 
@@ -98,7 +97,8 @@ def test_dispatcher_chosen_by_gin():
   cfg = MoeConfig()
   assert cfg.dispatcher == RaggedDispatcher(backend="ragged_dot")
   gin.clear_config()
-  assert isinstance(MoeConfig().dispatcher, AutoDispatcher)
+  assert MoeConfig().dispatcher is None
+  assert isinstance(dispatcher_of(MoeConfig()), AutoDispatcher)
   with pytest.raises(ValueError, match="backend"):
     RaggedDispatcher(backend="nope")
 

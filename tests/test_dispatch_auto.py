@@ -1,22 +1,22 @@
 """AutoDispatcher: which engine it picks per platform and size, and that it is that
 engine exactly."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from openmoe_jax import partitioning
 from openmoe_jax.config import MoeConfig
 from openmoe_jax.kernels.target import compile_target
-from openmoe_jax.moe.dispatch import EinsumDispatcher, SortDispatcher
-from openmoe_jax.moe.dispatch_auto import AutoDispatcher
-from openmoe_jax.moe.expert_parallel import AllToAllDispatcher
-from openmoe_jax.moe.expert_parallel_ragged import RaggedAllToAllDispatcher
-from openmoe_jax.moe.dispatch_ragged import RaggedDispatcher
+from openmoe_jax.moe.dispatch import (AllToAllDispatcher, AutoDispatcher,
+                                      EinsumDispatcher, ExpertWeights,
+                                      RaggedAllToAllDispatcher,
+                                      RaggedDispatcher, SortDispatcher)
+from openmoe_jax.moe.layer import dispatcher_of
 from openmoe_jax.moe.routers import expert_capacity, top_k_capacity_routing
 
 
 def test_moe_config_defaults_to_auto():
-  assert isinstance(MoeConfig().dispatcher, AutoDispatcher)
+  assert MoeConfig().dispatcher is None
+  assert isinstance(dispatcher_of(MoeConfig()), AutoDispatcher)
 
 
 def test_choice_per_platform_and_size():
@@ -38,27 +38,14 @@ def test_choice_per_platform_and_size():
                             axis_types=(jax.sharding.AxisType.Auto,))
   with compile_target("TPU v5p"):
     with partitioning.activate(expert_mesh):
-      assert auto.choose(256, 8, 40, 2) == AllToAllDispatcher(buffers=SortDispatcher())
+      assert auto.choose(256, 8, 40, 2) == AllToAllDispatcher(buffer_dispatcher=SortDispatcher())
       # Dropless (capacity = the group): exact-size ragged exchange.
       assert auto.choose(256, 8, 256, 2) == RaggedAllToAllDispatcher(backend="pallas")
     with partitioning.activate(data_mesh):
       assert auto.choose(256, 8, 40, 2) == RaggedDispatcher("pallas")
   with compile_target("TPU v3"), partitioning.activate(expert_mesh):
     # v3 has no ragged_all_to_all: fixed-capacity all_to_all over sorted buffers.
-    assert auto.choose(256, 8, 256, 2) == AllToAllDispatcher(buffers=SortDispatcher())
-
-
-class _Experts:
-  """One linear map per expert, in both dispatcher interfaces."""
-
-  def __init__(self, w_edd):
-    self.w_edd = w_edd
-
-  def __call__(self, x_end):
-    return jnp.einsum("end,edf->enf", x_end, self.w_edd)
-
-  def grouped(self, x_nd, group_sizes_e, matmul):
-    return matmul(x_nd, self.w_edd, group_sizes_e)
+    assert auto.choose(256, 8, 256, 2) == AllToAllDispatcher(buffer_dispatcher=SortDispatcher())
 
 
 def test_output_is_the_chosen_engines():
@@ -66,9 +53,10 @@ def test_output_is_the_chosen_engines():
   x = jax.random.normal(jax.random.PRNGKey(0), (g, s, d))
   probs = jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(1), (g, s, num_experts)))
   routing = top_k_capacity_routing(probs, 2, 5)  # overflow: some choices dropped
-  experts = _Experts(jax.random.normal(jax.random.PRNGKey(2), (num_experts, d, d)))
+  w0, w1, w2 = jax.random.normal(jax.random.PRNGKey(2), (3, num_experts, d, d))
+  weights = ExpertWeights(wi_0=w0, wi_1=w1, wo=w2, kind="swiglu")
   for auto, engine in [(AutoDispatcher(), EinsumDispatcher()),
                        (AutoDispatcher(einsum_max_elements=0), SortDispatcher())]:
-    got = jax.jit(lambda x: auto(x, routing, experts, num_experts))(x)
-    want = jax.jit(lambda x: engine(x, routing, experts, num_experts))(x)
+    got = jax.jit(lambda x: auto(x, routing, weights))(x)
+    want = jax.jit(lambda x: engine(x, routing, weights))(x)
     np.testing.assert_array_equal(got, want)

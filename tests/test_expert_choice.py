@@ -7,7 +7,8 @@ import pytest
 from openmoe_jax.config import MoeConfig
 from openmoe_jax.moe import gates as gates_lib
 from openmoe_jax.moe import losses
-from openmoe_jax.moe.dispatch import dispatch_mask
+from openmoe_jax.moe.dispatch.einsum import dispatch_mask
+from openmoe_jax.moe.layer import router_arguments
 from openmoe_jax.moe.routers_expert_choice import (ExpertChoiceRouter,
                                                    expert_choice_routing)
 
@@ -15,9 +16,10 @@ from moe_reference import reference_expert_choice
 
 
 def _route(router, cfg, logits, sequence_length):
-  gs = gates_lib.gate_scores(logits, cfg.num_experts, cfg.gate)
-  fn = jax.jit(lambda x: router(x, cfg, train=True, sequence_length=sequence_length))
-  return gs, *fn(gs)
+  scores = gates_lib.gate_scores(logits, cfg.num_experts, cfg.gate)
+  fn = jax.jit(lambda x: router(x, **router_arguments(cfg, train=True),
+                                sequence_length=sequence_length))
+  return scores, *fn(scores)
 
 
 @pytest.mark.parametrize("level", ["batch", "sequence"])
@@ -34,14 +36,14 @@ def test_expert_choice_matches_loop_reference(level, gate, renormalize, factors,
                   router=router)
   rng = np.random.default_rng(3)
   logits = jnp.asarray(rng.integers(-2, 3, size=(g, s, num_experts)), jnp.float32)
-  gs, routing, aux = _route(router, cfg, logits, t)
+  router_scores, routing, aux = _route(router, cfg, logits, t)
   unit = t if level == "sequence" else s
   capacity = round(k * unit / num_experts)
   assert routing.capacity == capacity * (s // unit)
   no_expert = 0
   for gi in range(g):
     kept, gates = reference_expert_choice(
-        np.asarray(gs.scores[gi], np.float64), capacity, unit, renormalize, factors,
+        np.asarray(router_scores.scores[gi], np.float64), capacity, unit, renormalize, factors,
         scaling)
     np.testing.assert_array_equal(routing.kept[gi], kept)
     np.testing.assert_allclose(routing.gates[gi], gates, rtol=1e-6, atol=1e-7)
@@ -101,11 +103,14 @@ def test_ties_go_to_the_earlier_token_and_capacity_formula():
   cfg = MoeConfig(num_experts=64, top_k=2, capacity_factor_train=1.0,
                   capacity_factor_eval=2.0)
   router = ExpertChoiceRouter()
-  assert router.capacity(cfg, 2048, True) == 64
-  assert router.capacity(cfg, 2048, False) == 128
-  assert router.capacity(cfg, 8, True) == 1  # at least 1
-  assert router.capacity(cfg.replace(num_experts=2, capacity_factor_train=4.0), 8,
-                         True) == 8  # at most every token
+  capacity = lambda cfg, t, train: router.capacity(
+      t, num_experts=cfg.num_experts, top_k=cfg.top_k,
+      capacity_factor=cfg.capacity_factor(train))
+  assert capacity(cfg, 2048, True) == 64
+  assert capacity(cfg, 2048, False) == 128
+  assert capacity(cfg, 8, True) == 1  # at least 1
+  assert capacity(cfg.replace(num_experts=2, capacity_factor_train=4.0), 8,
+                  True) == 8  # at most every token
   with pytest.raises(ValueError, match="level"):
     ExpertChoiceRouter(level="token")
 

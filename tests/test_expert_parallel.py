@@ -17,10 +17,9 @@ from jax.sharding import PartitionSpec as P
 from openmoe_jax import gin_utils, partitioning, plan
 from openmoe_jax.config import ModelConfig, MoeConfig
 from openmoe_jax.model import Decoder
-from openmoe_jax.moe.dispatch import EinsumDispatcher, SortDispatcher
-from openmoe_jax.moe.expert_parallel import AllToAllDispatcher
-from openmoe_jax.moe.expert_parallel_ragged import (RaggedAllToAllDispatcher,
-                                                    dense_ragged_all_to_all)
+from openmoe_jax.moe.dispatch import (AllToAllDispatcher, EinsumDispatcher,
+                                      RaggedAllToAllDispatcher, SortDispatcher)
+from openmoe_jax.moe.dispatch.ragged_all_to_all import dense_ragged_all_to_all
 from openmoe_jax.objectives import CausalLm
 from openmoe_jax.trainer import init_train_state, make_train_step
 
@@ -97,7 +96,7 @@ def test_dispatchers_are_gin_configurable():
   gin.parse_config([
       "MoeConfig.dispatcher = @RaggedAllToAllDispatcher()",
       "RaggedAllToAllDispatcher.exchange = 'dense'",
-      "AllToAllDispatcher.buffers = @SortDispatcher()"])
+      "AllToAllDispatcher.buffer_dispatcher = @SortDispatcher()"])
   assert MoeConfig().dispatcher == RaggedAllToAllDispatcher(exchange="dense")
   assert AllToAllDispatcher() == AllToAllDispatcher(SortDispatcher())
   with pytest.raises(ValueError, match="exchange"):

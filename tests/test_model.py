@@ -9,7 +9,7 @@ import pytest
 from openmoe_jax.config import ModelConfig, MoeConfig
 from openmoe_jax.layers.attention import make_attention_mask
 from openmoe_jax.model import Decoder, layer_segments, scan_unit_length
-from openmoe_jax.moe.routers import Router
+from openmoe_jax.moe.routers import RouterLogits
 from openmoe_jax.moe.routers_expert_choice import ExpertChoiceRouter
 from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter
 from openmoe_jax.objectives import CausalLm
@@ -183,8 +183,9 @@ def test_remat_and_bfloat16_run():
 
 
 def test_config_validation_messages():
-  with pytest.raises(ValueError, match="mlp_kind"):
-    ModelConfig(mlp_kind="relu")
+  with pytest.raises(ValueError, match="mlp_kind"):  # when the model is built
+    Decoder(ModelConfig(vocab_size=8, mlp_kind="relu")).init(
+        jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))
   with pytest.raises(ValueError, match="top_k"):
     MoeConfig(num_experts=2, top_k=3)
   with pytest.raises(ValueError, match="vocab_size"):
@@ -235,7 +236,7 @@ def _router_logits(cfg, params, tokens_bt):
 
     def keep_router_output(next_fun, args, kwargs, context):
       out = next_fun(*args, **kwargs)
-      if isinstance(context.module, Router) and context.method_name == "__call__":
+      if isinstance(context.module, RouterLogits) and context.method_name == "__call__":
         captured.append(out)
       return out
     with nn.intercept_methods(keep_router_output):

@@ -16,7 +16,7 @@ from openmoe_jax.config import MoeConfig
 from openmoe_jax.kernels import permute, permute_pallas
 from openmoe_jax.kernels.pallas_gmm import choose_tiling, pallas_gmm
 from openmoe_jax.kernels.target import compile_target, on_tpu, tpu_generation
-from openmoe_jax.moe.dispatch_ragged import RaggedDispatcher
+from openmoe_jax.moe.dispatch import ExpertWeights, RaggedDispatcher
 from openmoe_jax.moe.layer import MoeLayer
 from openmoe_jax.moe.routers import top_k_capacity_routing
 
@@ -144,36 +144,27 @@ def test_split_layout_matches(dtype):
   _close(got, permute.combine_xla(x, row_nk, gates), dtype)
 
 
-class _Experts:
-  """One linear map per expert, in the `experts.grouped` interface."""
-
-  def __init__(self, w_edd):
-    self.w_edd = w_edd
-
-  def grouped(self, x_nd, group_sizes_e, matmul):
-    return matmul(x_nd, self.w_edd, group_sizes_e)
-
-
 def test_ragged_pallas_matches_padded():
   g, s, d, num_experts, k, capacity = 2, 12, 16, 4, 2, 4  # overflow: drops, empty rows
   kx, kp, kw = jax.random.split(jax.random.PRNGKey(0), 3)
   x = jax.random.normal(kx, (g, s, d))
   probs = jax.nn.softmax(jax.random.normal(kp, (g, s, num_experts)), axis=-1)
   routing = top_k_capacity_routing(probs, k, capacity)
-  w = jax.random.normal(kw, (num_experts, d, d)) / 4
+  w0, w1, w2 = jax.random.normal(kw, (3, num_experts, d, d)) / 4
+  weights = ExpertWeights(wi_0=w0, wi_1=w1, wo=w2, kind="swiglu")
 
   def run(dispatcher):
-    def loss(x, w, gates):
+    def loss(x, weights, gates):
       r = routing.replace(gates=gates)
-      y = dispatcher(x, r, _Experts(w), num_experts)
+      y = dispatcher(x, r, weights)
       return jnp.sum(y * jnp.cos(y)), y
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
-        x, w, routing.gates)
+        x, weights, routing.gates)
 
   (_, y), grads = run(RaggedDispatcher("pallas", interpret=True))
   (_, y_ref), grads_ref = run(RaggedDispatcher("padded", tile=4))
   _close(y, y_ref, jnp.float32)
-  for got, want in zip(grads, grads_ref):
+  for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
     _close(got, want, jnp.float32)
 
 

@@ -11,7 +11,8 @@ import pytest
 from openmoe_jax.config import MoeConfig
 from openmoe_jax.moe import gates as gates_lib
 from openmoe_jax.moe import losses
-from openmoe_jax.moe.dispatch import combine_weights, dispatch_mask
+from openmoe_jax.moe.dispatch.einsum import combine_weights, dispatch_mask
+from openmoe_jax.moe.layer import MoeLayer, router_arguments
 from openmoe_jax.moe.routers import expert_capacity, routing_stats, top_k_capacity_routing
 from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter
 
@@ -41,11 +42,14 @@ def test_capacity_per_choice_multiplies_by_top_k():
   cfg = MoeConfig(num_experts=16, top_k=4, capacity_factor_train=1.25,
                   capacity_factor_eval=2.0, min_capacity=4)
   st_moe, megatron = TokenChoiceRouter(), TokenChoiceRouter(capacity_per_choice=True)
-  assert st_moe.capacity(cfg, 256, train=True) == 20  # 1.25 x 256 / 16
-  assert megatron.capacity(cfg, 256, train=True) == 80  # 1.25 x 4 x 256 / 16
-  assert megatron.capacity(cfg, 256, train=False) == 128
+  args = lambda train: dict(num_experts=cfg.num_experts, top_k=cfg.top_k,
+                            capacity_factor=cfg.capacity_factor(train),
+                            min_capacity=cfg.min_capacity)
+  assert st_moe.capacity(256, **args(True)) == 20  # 1.25 x 256 / 16
+  assert megatron.capacity(256, **args(True)) == 80  # 1.25 x 4 x 256 / 16
+  assert megatron.capacity(256, **args(False)) == 128
   assert TokenChoiceRouter(dropless=True, capacity_per_choice=True).capacity(
-      cfg, 256, train=True) == 256
+      256, **args(True)) == 256
 
 
 def test_first_choices_before_second_then_sequence_order():
@@ -224,16 +228,17 @@ def test_token_choice_router_matches_loop_reference(router, gate, renormalize, s
                   min_capacity=1, gate=gate, renormalize_gates=renormalize,
                   routed_scaling_factor=scaling, router=router)
   logits = _tied_logits(top_k, g, s, num_experts)
-  gs = gates_lib.gate_scores(logits, num_experts, gate)
-  routing, aux = jax.jit(lambda x: router(x, cfg, train=True, sequence_length=12))(gs)
+  router_scores = gates_lib.gate_scores(logits, num_experts, gate)
+  routing, aux = jax.jit(lambda x: router(x, **router_arguments(cfg, train=True),
+                                          sequence_length=12))(router_scores)
   capacity = reference_token_capacity(cfg, s, train=True)
   assert routing.capacity == capacity
   dropped = 0
   for gi in range(g):
     scores, _ = reference_gates(logits[gi], num_experts, gate)
-    np.testing.assert_allclose(scores, gs.scores[gi], rtol=1e-6)
+    np.testing.assert_allclose(scores, router_scores.scores[gi], rtol=1e-6)
     expert, kept, gates = reference_token_choice(
-        np.asarray(gs.scores[gi], np.float64), top_k, capacity, renormalize,
+        np.asarray(router_scores.scores[gi], np.float64), top_k, capacity, renormalize,
         router.batch_prioritized, scaling, router.priority)
     np.testing.assert_array_equal(routing.expert_index[gi], expert)
     np.testing.assert_array_equal(routing.kept[gi], kept)
@@ -275,7 +280,8 @@ def test_gate_functions_renormalisation_and_scaling_hand_computed():
   # renormalised to 0.6 / 0.4, then scaled by 2.5 -> 1.5 / 1.0.
   cfg = MoeConfig(num_experts=4, top_k=2, min_capacity=4, gate="sigmoid",
                   renormalize_gates=True, routed_scaling_factor=2.5)
-  routing, _ = TokenChoiceRouter()(sig, cfg, train=True, sequence_length=1)
+  routing, _ = TokenChoiceRouter()(sig, **router_arguments(cfg, train=True),
+                                    sequence_length=1)
   np.testing.assert_array_equal(routing.expert_index[0, 0], [1, 0])
   np.testing.assert_allclose(routing.gates[0, 0], [1.5, 1.0], rtol=1e-6)
   np.testing.assert_allclose(gates_lib.renormalise(
@@ -285,5 +291,6 @@ def test_gate_functions_renormalisation_and_scaling_hand_computed():
                                 "softmax")
   np.testing.assert_allclose(joint.shared[0, 0], [1 / (denominator + 1)], rtol=1e-6)
   np.testing.assert_allclose(joint.probs[0, 0], soft.scores[0, 0], rtol=1e-6)
-  with pytest.raises(ValueError, match="gate"):
-    MoeConfig(gate="relu")
+  with pytest.raises(ValueError, match="MoeConfig.gate"):  # when the layer is built
+    MoeLayer(MoeConfig(gate="relu"), "swiglu", 8).init(
+        jax.random.PRNGKey(0), jnp.zeros((1, 4, 8)), train=False)

@@ -14,9 +14,8 @@ from jax.sharding import PartitionSpec as P
 from openmoe_jax import partitioning
 from openmoe_jax.config import ModelConfig, MoeConfig
 from openmoe_jax.model import Decoder
-from openmoe_jax.moe.dispatch import EinsumDispatcher, SortDispatcher
-from openmoe_jax.moe.expert_parallel import AllToAllDispatcher
-from openmoe_jax.moe.expert_parallel_ragged import RaggedAllToAllDispatcher
+from openmoe_jax.moe.dispatch import (AllToAllDispatcher, EinsumDispatcher,
+                                      RaggedAllToAllDispatcher, SortDispatcher)
 from openmoe_jax.moe.routers_expert_choice import ExpertChoiceRouter
 from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter
 from openmoe_jax.objectives import CausalLm

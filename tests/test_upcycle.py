@@ -7,7 +7,8 @@ import pytest
 
 from openmoe_jax.config import ModelConfig, MoeConfig
 from openmoe_jax.layers.mlp import Mlp
-from openmoe_jax.moe.layer import Experts
+from openmoe_jax.moe.dispatch.base import expert_mlp
+from openmoe_jax.moe.experts import Experts
 from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter
 from openmoe_jax.model import Decoder, get_layer, layer_slots
 from openmoe_jax.upcycle import split_ffn_into_experts, upcycle_params
@@ -58,7 +59,8 @@ def test_fine_grained_slices_sum_to_the_dense_ffn(kind):
                                    expert_d_ff)
   assert experts["wi_1"].shape == (num_experts, d, expert_d_ff)
   x_end = jnp.broadcast_to(x_nd, (num_experts,) + x_nd.shape)
-  y_end = Experts(num_experts, kind, expert_d_ff).apply({"params": experts}, x_end)
+  y_end = expert_mlp(Experts(num_experts, kind, expert_d_ff).apply({"params": experts}, d),
+                     x_end)
   # Experts e and e + 4 hold the same slice: one of each slice with weight 1 is the
   # dense FFN.
   np.testing.assert_array_equal(experts["wo"][1], experts["wo"][5])

@@ -15,13 +15,14 @@ from openmoe_jax.analysis import analyses, plots
 from openmoe_jax.analysis.record import RoutingRecord, make_routing_fn, record_routing
 from openmoe_jax.analysis.report import write_report
 from openmoe_jax.data import pipeline
+from openmoe_jax.moe.layer import router_of
 from openmoe_jax.run_loader import Run, restore_params
 
 
 def with_priority(cfg, priority: Optional[str]):
   """Returns `cfg` with its token-choice router's priority set to `priority`
   (unchanged for None); ValueError for an expert-choice model."""
-  router = cfg.moe.router
+  router = router_of(cfg.moe)
   if priority is None:
     return cfg
   if not hasattr(router, "priority"):
@@ -46,7 +47,7 @@ def record_checkpoints(run: Run, steps: Sequence[int], tasks: Sequence[str],
   say(f"model: {run.config.num_layers} layers, {run.config.moe.num_experts} experts; "
       f"checkpoints {steps}; tasks {tasks}; {num_batches} x {batch_size} x {seq_len}")
   config = with_priority(run.config, priority)
-  priority = getattr(config.moe.router, "priority", None)
+  priority = getattr(router_of(config.moe), "priority", None)
   if priority:
     say(f"token-choice priority: {priority}")
   routing_fn = make_routing_fn(config, train=True)

@@ -40,6 +40,7 @@ from openmoe_jax.convert.layout import (ConversionError, Layout, Requirement, Ru
                                         import_tensors)
 from openmoe_jax.convert.openmoe import (HF_MLP_NAMES, HF_OPENMOE, O_HF, Q_HF,
                                          T5X_OPENMOE, mlp_rules)
+from openmoe_jax.moe.layer import router_of
 from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter
 
 
@@ -64,7 +65,7 @@ LAYER_LAYOUT = "layer layout"
 SWIGLU = Requirement("ModelConfig.mlp_kind", lambda c: c.mlp_kind, ("swiglu",))
 SCALED = Requirement("ModelConfig.scale_attention_logits",
                      lambda c: c.scale_attention_logits, (True,))
-TOKEN_CHOICE = Requirement("MoeConfig.router", lambda c: type(c.moe.router).__name__,
+TOKEN_CHOICE = Requirement("MoeConfig.router", lambda c: type(router_of(c.moe)).__name__,
                            (TokenChoiceRouter.__name__,))
 NO_RESIDUAL_MLP = Requirement("MoeConfig.residual_mlp", _residual_mlp, (False,))
 UNSCALED_GATES = Requirement("MoeConfig.routed_scaling_factor",

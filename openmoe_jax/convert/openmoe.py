@@ -12,6 +12,7 @@ from typing import List, Optional
 
 from openmoe_jax.config import ModelConfig
 from openmoe_jax.convert.layout import COPY, Layout, Requirement, Rule, T, Transform
+from openmoe_jax.moe.layer import router_of
 from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter
 
 Q_T5X = Transform(merge="last2")  # ours [d, H, D] <-> [d, H*D]
@@ -43,7 +44,7 @@ OPENMOE_REQUIREMENTS = (
     Requirement("ModelConfig.qk_norm", lambda c: c.qk_norm, (False,)),
     Requirement("ModelConfig.rope_base", lambda c: c.rope_base, (10000.0,)),
     Requirement("layer layout", _every_k_layout, ("every k-th layer MoE",)),
-    Requirement("MoeConfig.router", lambda c: type(c.moe.router).__name__,
+    Requirement("MoeConfig.router", lambda c: type(router_of(c.moe)).__name__,
                 (TokenChoiceRouter.__name__,)),
     Requirement("MoeConfig.gate", lambda c: c.moe.gate, ("softmax",)),
     Requirement("MoeConfig.renormalize_gates", lambda c: c.moe.renormalize_gates,
@@ -144,7 +145,7 @@ def openmoe_hf_config(cfg: ModelConfig) -> dict:
       "router_capacity_factor_train": moe.capacity_factor_train,
       "router_capacity_factor_eval": moe.capacity_factor_eval,
       "router_min_capacity": moe.min_capacity, "router_noisy_policy": None,
-      "router_drop_tks": not getattr(moe.router, "dropless", False),
+      "router_drop_tks": not getattr(router_of(moe), "dropless", False),
       "router_aux_loss_factor": moe.lb_loss_weight,
       "router_z_loss_factor": moe.z_loss_weight,
       "torch_dtype": "float32", "use_cache": True,

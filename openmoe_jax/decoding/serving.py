@@ -1,5 +1,6 @@
 """The model config both decoders (autoregressive.py, diffusion.py) sample with."""
 from openmoe_jax.config import ModelConfig
+from openmoe_jax.moe.layer import router_of
 from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter
 
 
@@ -19,7 +20,7 @@ def serving_config(cfg: ModelConfig, diffusion: bool) -> ModelConfig:
   decoding each one-token group is taken by every expert (it suits diffusion).
   """
   moe = cfg.moe.replace(group_size=1 << 30)
-  if not diffusion and isinstance(cfg.moe.router, TokenChoiceRouter):
+  if not diffusion and isinstance(router_of(cfg.moe), TokenChoiceRouter):
     # capacity >= round(E x s / E) = s: every choice of every token is served.
     moe = moe.replace(capacity_factor_eval=float(max(cfg.moe.num_experts, 1)))
   return cfg.replace(moe=moe)

@@ -12,13 +12,18 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from openmoe_jax.config import MLP_KINDS
+MLP_KINDS = ("swiglu", "geglu", "openmoe_swiglu")
+
+
+def check_mlp_kind(kind: str) -> None:
+  """Raises ValueError naming `ModelConfig.mlp_kind` if `kind` is unknown; else None."""
+  if kind not in MLP_KINDS:
+    raise ValueError(f"ModelConfig.mlp_kind={kind!r}; choose one of {MLP_KINDS}")
 
 
 def wi_0_width(kind: str, d_ff: int) -> int:
   """Returns the output width of wi_0 for an MLP kind."""
-  if kind not in MLP_KINDS:
-    raise ValueError(f"unknown mlp kind {kind!r}; choose one of {MLP_KINDS}")
+  check_mlp_kind(kind)
   return 2 * d_ff if kind == "openmoe_swiglu" else d_ff
 
 

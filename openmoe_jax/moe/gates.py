@@ -2,6 +2,9 @@
 
 All math in float32. The gate kind is chosen once (`MoeConfig.gate`) and applied only
 here, so routers see scores and never branch on the kind.
+
+Router logits over all gated experts are named `logits_gsa` / `scores_gsa`: a = the
+E routed experts followed by the S jointly gated shared experts (E + S columns).
 """
 from typing import Optional, Sequence
 
@@ -22,26 +25,32 @@ class GateScores:
   shared: jax.Array  # [g, s, S] gate scores of jointly gated shared experts (S >= 0)
 
 
-def gate_scores(logits_gsx: jax.Array, num_experts: int, kind: str) -> GateScores:
-  """Returns `GateScores` from logits [g, s, E + S] (the last S rows: shared experts).
+def check_gate_kind(kind: str) -> None:
+  """Raises ValueError naming `MoeConfig.gate` for an unknown kind; returns None."""
+  if kind not in GATE_KINDS:
+    raise ValueError(f"MoeConfig.gate={kind!r}; choose one of {GATE_KINDS}")
+
+
+def gate_scores(logits_gsa: jax.Array, num_experts: int, kind: str) -> GateScores:
+  """Returns `GateScores` from logits [g, s, E + S] (the last S columns: jointly gated
+  shared experts).
 
   softmax: one softmax over all E + S logits (shared experts compete jointly with
   routed ones); sigmoid: an independent sigmoid per logit. `probs` is the routed
   scores renormalised to sum to 1 per token (the softmax itself when S = 0).
   """
-  if kind not in GATE_KINDS:
-    raise ValueError(f"unknown gate kind {kind!r}; choose one of {GATE_KINDS}")
-  logits_gsx = logits_gsx.astype(jnp.float32)
+  check_gate_kind(kind)
+  logits_gsa = logits_gsa.astype(jnp.float32)
   if kind == "softmax":
-    scores_gsx = jax.nn.softmax(logits_gsx, axis=-1)
+    scores_gsa = jax.nn.softmax(logits_gsa, axis=-1)
   else:
-    scores_gsx = jax.nn.sigmoid(logits_gsx)
-  scores_gse = scores_gsx[..., :num_experts]
-  exact = kind == "softmax" and logits_gsx.shape[-1] == num_experts
+    scores_gsa = jax.nn.sigmoid(logits_gsa)
+  scores_gse = scores_gsa[..., :num_experts]
+  exact = kind == "softmax" and logits_gsa.shape[-1] == num_experts
   probs_gse = scores_gse if exact else scores_gse / jnp.sum(
       scores_gse, axis=-1, keepdims=True)
-  return GateScores(logits=logits_gsx[..., :num_experts], scores=scores_gse,
-                    probs=probs_gse, shared=scores_gsx[..., num_experts:])
+  return GateScores(logits=logits_gsa[..., :num_experts], scores=scores_gse,
+                    probs=probs_gse, shared=scores_gsa[..., num_experts:])
 
 
 def renormalise(gates_gsk: jax.Array, selected_gsk: jax.Array) -> jax.Array:

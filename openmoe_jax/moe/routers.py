@@ -5,8 +5,9 @@ A router (routers_token_choice.py, routers_expert_choice.py; chosen in gin throu
 for each token and each of its k options, the expert, the slot in that expert's
 buffer, whether the option is kept and its combine weight. Token choice has k = top-k
 choices; expert choice has k = E options (option e is expert e, kept where expert e
-took the token). Dispatch engines (dispatch.py) consume any `Routing` the same way
-and never re-decide drops.
+took the token). Dispatchers (moe/dispatch/) consume any `Routing` the same way
+and never re-decide drops. `RouterLogits` is the learned projection that gives the
+router logits the gate functions (gates.py) turn into scores.
 """
 from typing import Dict
 
@@ -141,11 +142,14 @@ def token_stats(routing: Routing, probs_gse: jax.Array, dropped_gsj: jax.Array,
   return stats
 
 
-class Router(nn.Module):
-  """Linear router without bias, in float32: [g, s, d] -> logits [g, s, E + S].
+class RouterLogits(nn.Module):
+  """The router's linear projection, without bias, in float32: [g, s, d] -> logits
+  [g, s, E + S] (`logits_gsa`: a = the E routed then the S gated shared experts).
 
   The last `num_shared` columns are the logits of jointly gated shared experts; they
-  come from their own parameter `w_shared`, not from the routed experts' `w`.
+  come from their own parameter `w_shared`, not from the routed experts' `w`. The
+  routing policy that reads them is a separate object (`TokenChoiceRouter`,
+  `ExpertChoiceRouter`).
   """
 
   num_experts: int

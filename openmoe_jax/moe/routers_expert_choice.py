@@ -1,6 +1,6 @@
 """Expert-choice router: each expert takes its top-C tokens (Zhou et al.; OpenMoE 2)."""
 import dataclasses
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import gin
 import jax
@@ -49,10 +49,11 @@ class ExpertChoiceRouter:
 
   T is the number of tokens of a group (`level="batch"`) or of one sequence
   (`level="sequence"`: an expert never picks across sequences; the MoE group must
-  hold whole sequences). k = `MoeConfig.top_k` is the average number of experts per
-  token; cf = `MoeConfig.capacity_factor(train)` (OpenMoE 2 uses 1.0). C is clamped
-  to T because an expert cannot take a token twice: with cf * k >= E (e.g. an eval
-  capacity factor of E / k) every expert takes every token. Tokens taken by no
+  hold whole sequences). k = `top_k` (`MoeConfig.top_k`) is the average number of
+  experts per token; cf = `capacity_factor` (`MoeConfig.capacity_factor(train)`;
+  OpenMoE 2 uses 1.0); the MoE layer passes both (`moe.layer.router_arguments`).
+  C is clamped to T because an expert cannot take a token twice: with cf * k >= E
+  (e.g. an eval capacity factor of E / k) every expert takes every token. Tokens taken by no
   expert are dropped (`drop_fraction` = `no_expert_fraction` here).
 
   WARNING: which tokens an expert takes depends on later tokens of the unit, so expert
@@ -74,39 +75,44 @@ class ExpertChoiceRouter:
       object.__setattr__(self, "count_scaling_factors",
                          tuple(float(f) for f in self.count_scaling_factors))
 
-  def capacity(self, cfg: Any, tokens_per_unit: int, train: bool) -> int:
+  def capacity(self, tokens_per_unit: int, *, num_experts: int, top_k: int,
+               capacity_factor: float, min_capacity: int = 1) -> int:
     """Returns C, the tokens each expert takes from a unit of T = `tokens_per_unit`.
 
     C = round(cf * k * T / E) (Python's round: halves to even), at least 1 and at
-    most T; cf = `cfg.capacity_factor(train)`, k = `cfg.top_k`, E = `cfg.num_experts`.
+    most T; cf = `capacity_factor`, k = `top_k`, E = `num_experts`. `min_capacity` is
+    not used (C >= 1 always): it is accepted so both routers take the same arguments.
     """
-    c = int(round(cfg.capacity_factor(train) * cfg.top_k * tokens_per_unit
-                  / cfg.num_experts))
+    del min_capacity
+    c = int(round(capacity_factor * top_k * tokens_per_unit / num_experts))
     return min(max(c, 1), tokens_per_unit)
 
-  def __call__(self, gs: GateScores, cfg: Any, *, train: bool, sequence_length: int
-               ) -> Tuple[Routing, Dict[str, jax.Array]]:
-    """Returns (Routing with k = E over groups, aux: stats, `tokenwise_lb_loss`)."""
-    g, s, num_experts = gs.scores.shape
+  def __call__(self, scores: GateScores, *, top_k: int, capacity_factor: float,
+               min_capacity: int, renormalize: bool, scaling_factor: float,
+               sequence_length: int) -> Tuple[Routing, Dict[str, jax.Array]]:
+    """Returns (Routing with k = E over groups, aux: stats, `tokenwise_lb_loss`) for
+    the gate scores of groups [g, s, E] of sequences of `sequence_length` tokens."""
+    g, s, num_experts = scores.scores.shape
     t = sequence_length if self.level == "sequence" else s
     if s % t:
       raise ValueError(f"sequence-level expert choice needs MoE groups of whole "
                        f"sequences: group of {s} tokens, sequences of {t}")
     m = s // t  # units per group
-    capacity = self.capacity(cfg, t, train)
-    unit = expert_choice_routing(gs.scores.reshape(g * m, t, num_experts), capacity,
-                                 cfg.renormalize_gates, self.count_scaling_factors)
+    capacity = self.capacity(t, num_experts=num_experts, top_k=top_k,
+                             capacity_factor=capacity_factor, min_capacity=min_capacity)
+    unit = expert_choice_routing(scores.scores.reshape(g * m, t, num_experts), capacity,
+                                 renormalize, self.count_scaling_factors)
     offset_g1s1 = (jnp.arange(m, dtype=jnp.int32) * capacity)[None, :, None, None]
     slot_gse = (unit.slot.reshape(g, m, t, num_experts) + offset_g1s1).reshape(
         g, s, num_experts)
     regroup = lambda a: a.reshape(g, s, num_experts)
     routing = Routing(expert_index=regroup(unit.expert_index), slot=slot_gse,
                       kept=regroup(unit.kept),
-                      gates=scale(regroup(unit.gates), cfg.routed_scaling_factor),
+                      gates=scale(regroup(unit.gates), scaling_factor),
                       capacity=m * capacity)
     no_expert_gs1 = ~jnp.any(routing.kept, axis=-1, keepdims=True)
-    aux = token_stats(routing, gs.probs, no_expert_gs1, sequence_length)
+    aux = token_stats(routing, scores.probs, no_expert_gs1, sequence_length)
     aux["lb_loss"] = jnp.zeros((), jnp.float32)
     aux["tokenwise_lb_loss"] = losses.tokenwise_load_balancing_loss(
-        gs.logits.reshape(g * m, t, num_experts), unit.kept, cfg.top_k)
+        scores.logits.reshape(g * m, t, num_experts), unit.kept, top_k)
     return routing, aux

@@ -1,6 +1,6 @@
 """Token-choice router: each token picks its top-k experts (ST-MoE, OpenMoE v1)."""
 import dataclasses
-from typing import Any, Dict, Tuple
+from typing import Dict, Tuple
 
 import gin
 import jax
@@ -17,9 +17,9 @@ from openmoe_jax.moe.routers import (PRIORITIES, Routing, expert_capacity,
 class TokenChoiceRouter:
   """Top-k token choice with capacity (ST-MoE priority) or dropless.
 
-  Reads `num_experts`, `top_k`, the capacity factors, `min_capacity`,
-  `renormalize_gates` and `routed_scaling_factor` from the `MoeConfig` it is called
-  with; its own fields:
+  Called by the MoE layer with the shared settings of `MoeConfig` as arguments
+  (`top_k`, the capacity factor of the phase, `min_capacity`, `renormalize_gates`,
+  `routed_scaling_factor`; see `moe.layer.router_arguments`); its own fields:
 
   - `dropless`: no capacity; every choice is served (buffers hold a whole group).
     Either priority then gives the same output.
@@ -63,23 +63,27 @@ class TokenChoiceRouter:
       raise ValueError("TokenChoiceRouter: batch_prioritized=True orders tokens by "
                        "score, which contradicts priority='position_major'; use one")
 
-  def capacity(self, cfg: Any, tokens_per_group: int, train: bool) -> int:
+  def capacity(self, tokens_per_group: int, *, num_experts: int, top_k: int,
+               capacity_factor: float, min_capacity: int) -> int:
     """Returns the per-expert buffer size for a group of `tokens_per_group` tokens."""
     if self.dropless:
       return tokens_per_group
-    factor = cfg.capacity_factor(train) * (cfg.top_k if self.capacity_per_choice else 1)
-    return expert_capacity(tokens_per_group, cfg.num_experts, factor, cfg.min_capacity)
+    factor = capacity_factor * (top_k if self.capacity_per_choice else 1)
+    return expert_capacity(tokens_per_group, num_experts, factor, min_capacity)
 
-  def __call__(self, gs: GateScores, cfg: Any, *, train: bool, sequence_length: int
-               ) -> Tuple[Routing, Dict[str, jax.Array]]:
-    """Returns (Routing with k = top_k, aux: stats and `lb_loss`)."""
-    capacity = self.capacity(cfg, gs.scores.shape[1], train)
-    routing = top_k_capacity_routing(gs.scores, cfg.top_k, capacity,
-                                     cfg.renormalize_gates, self.batch_prioritized,
-                                     self.priority)
-    routing = routing.replace(gates=scale(routing.gates, cfg.routed_scaling_factor))
-    aux = token_stats(routing, gs.probs, ~routing.kept, sequence_length)
-    aux["lb_loss"] = losses.load_balancing_loss(gs.probs, routing.expert_index)
+  def __call__(self, scores: GateScores, *, top_k: int, capacity_factor: float,
+               min_capacity: int, renormalize: bool, scaling_factor: float,
+               sequence_length: int) -> Tuple[Routing, Dict[str, jax.Array]]:
+    """Returns (Routing with k = top_k, aux: stats and `lb_loss`) for the gate
+    scores of groups [g, s, E] of sequences of `sequence_length` tokens."""
+    _, s, num_experts = scores.scores.shape
+    capacity = self.capacity(s, num_experts=num_experts, top_k=top_k,
+                             capacity_factor=capacity_factor, min_capacity=min_capacity)
+    routing = top_k_capacity_routing(scores.scores, top_k, capacity, renormalize,
+                                     self.batch_prioritized, self.priority)
+    routing = routing.replace(gates=scale(routing.gates, scaling_factor))
+    aux = token_stats(routing, scores.probs, ~routing.kept, sequence_length)
+    aux["lb_loss"] = losses.load_balancing_loss(scores.probs, routing.expert_index)
     aux["tokenwise_lb_loss"] = jnp.zeros((), jnp.float32)
     return routing, aux
 

@@ -5,8 +5,8 @@
   permute kernels (per device under shard_map on a mesh), unless the current mesh
   splits the experts over devices (expert parallelism; the ragged path would gather
   every expert's weights onto every device): then
-  `AllToAllDispatcher(buffers=SortDispatcher())` (fixed-capacity all_to_all of the
-  [E, g, C, d] buffers) for capacity-limited routing, and for dropless routing (the
+  `AllToAllDispatcher(buffer_dispatcher=SortDispatcher())` (fixed-capacity
+  all_to_all of the [E, g, C, d] buffers) for capacity-limited routing, and for dropless routing (the
   buffers would dwarf the choices, as below) on v4 and later
   `RaggedAllToAllDispatcher(backend="pallas")`, which exchanges exactly the routed
   rows (v3 has no ragged_all_to_all and keeps the all_to_all).
@@ -32,42 +32,42 @@ Gin: `MoeConfig.dispatcher = @AutoDispatcher()` (the default);
 `AutoDispatcher.einsum_max_elements = 0` never picks einsum.
 """
 import dataclasses
-import math
-from typing import Any
 
 import gin
 import jax
 
-from openmoe_jax import partitioning
 from openmoe_jax.kernels import target
-from openmoe_jax.moe.dispatch import EinsumDispatcher, SortDispatcher
-from openmoe_jax.moe.dispatch_ragged import RaggedDispatcher
+from openmoe_jax.moe.dispatch.all_to_all import AllToAllDispatcher
+from openmoe_jax.moe.dispatch.base import Dispatcher, ExpertWeights
+from openmoe_jax.moe.dispatch.einsum import EinsumDispatcher
+from openmoe_jax.moe.dispatch.primitives import expert_split_size
+from openmoe_jax.moe.dispatch.ragged import RaggedDispatcher
+from openmoe_jax.moe.dispatch.ragged_all_to_all import RaggedAllToAllDispatcher
+from openmoe_jax.moe.dispatch.sort import SortDispatcher
 from openmoe_jax.moe.routers import Routing
 
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class AutoDispatcher:
-  """Dispatches with the engine `choose` returns for the platform and sizes."""
+  """Dispatches with the dispatcher `choose` returns for the platform and sizes."""
 
   einsum_max_experts: int = 16
   einsum_max_elements: int = 1 << 20  # s x E x C of the one-hot dispatch tensor
   ragged_buffer_ratio: float = 2.0  # E x C over s x k beyond which ragged serves
 
   def choose(self, tokens_per_group: int, num_experts: int, capacity: int,
-             choices: int) -> Any:
+             choices: int) -> Dispatcher:
     """Returns the dispatcher for groups of `tokens_per_group` tokens with `choices`
     options each (top-k; E for expert choice) and `capacity` slots per expert."""
     dropless = (num_experts * capacity
                 > self.ragged_buffer_ratio * tokens_per_group * choices)
     if target.on_tpu():
-      if not _experts_split():
+      if expert_split_size(jax.sharding.get_abstract_mesh()) <= 1:
         return RaggedDispatcher("pallas")
-      # Imported here: expert_parallel imports the MoE layer's modules.
-      from openmoe_jax.moe import expert_parallel, expert_parallel_ragged  # pylint: disable=g-import-not-at-top
       if dropless and (target.tpu_generation() or 0) >= 4:
-        return expert_parallel_ragged.RaggedAllToAllDispatcher(backend="pallas")
-      return expert_parallel.AllToAllDispatcher(buffers=SortDispatcher())
+        return RaggedAllToAllDispatcher(backend="pallas")
+      return AllToAllDispatcher(buffer_dispatcher=SortDispatcher())
     if (num_experts <= self.einsum_max_experts
         and tokens_per_group * num_experts * capacity <= self.einsum_max_elements):
       return EinsumDispatcher()
@@ -75,17 +75,8 @@ class AutoDispatcher:
       return RaggedDispatcher(backend="padded")
     return SortDispatcher()
 
-  def __call__(self, x_gsd: jax.Array, routing: Routing, experts: Any,
-               num_experts: int) -> jax.Array:
-    engine = self.choose(x_gsd.shape[1], num_experts, routing.capacity,
-                         routing.expert_index.shape[-1])
-    return engine(x_gsd, routing, experts, num_experts)
-
-
-def _experts_split() -> bool:
-  """Returns whether the current mesh (if any) splits experts over devices."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    return False
-  axes = partitioning.mesh_axes(mesh.axis_names, "act_expert")
-  return math.prod(mesh.shape[a] for a in axes) > 1
+  def __call__(self, x_gsd: jax.Array, routing: Routing,
+               weights: ExpertWeights) -> jax.Array:
+    dispatcher = self.choose(x_gsd.shape[1], weights.num_experts, routing.capacity,
+                             routing.expert_index.shape[-1])
+    return dispatcher(x_gsd, routing, weights)

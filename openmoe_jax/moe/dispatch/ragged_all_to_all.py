@@ -12,18 +12,20 @@ padded `jax.lax.all_to_all`, so that everything else is tested on CPU.
 """
 import dataclasses
 import functools
-from typing import Any, Optional
+from typing import Optional
 
 import gin
 import jax
 import jax.numpy as jnp
 
 from openmoe_jax import partitioning
-from openmoe_jax.kernels.grouped_matmul import BACKENDS, grouped_matmul
-from openmoe_jax.moe.dispatch_ragged import RaggedDispatcher, auto_tile
-from openmoe_jax.moe.expert_parallel import (current_expert_mesh, join_wi_0,
-                                             split_weights, weight_specs)
-from openmoe_jax.moe.experts import expert_mlp_grouped
+from openmoe_jax.kernels.grouped_matmul import grouped_matmul
+from openmoe_jax.moe.dispatch.base import ExpertWeights, expert_mlp_grouped
+from openmoe_jax.moe.dispatch.primitives import (ExpertMesh, auto_tile, check_backend,
+                                                 combine_rows, current_expert_mesh,
+                                                 expert_parallel_specs, join_wi_0,
+                                                 sort_by_expert, split_wi_0)
+from openmoe_jax.moe.dispatch.ragged import RaggedDispatcher
 from openmoe_jax.moe.routers import Routing
 
 EXCHANGES = ("ragged", "dense")
@@ -91,41 +93,40 @@ class RaggedAllToAllDispatcher:
   exchange: str = "ragged"
 
   def __post_init__(self):
-    if self.backend not in BACKENDS:
-      raise ValueError(f"RaggedAllToAllDispatcher.backend={self.backend!r}; choose "
-                       f"one of {BACKENDS}")
+    check_backend("RaggedAllToAllDispatcher", self.backend)
     if self.exchange not in EXCHANGES:
       raise ValueError(f"RaggedAllToAllDispatcher.exchange={self.exchange!r}; choose "
                        f"one of {EXCHANGES}")
 
-  def __call__(self, x_gsd: jax.Array, routing: Routing, experts: Any,
-               num_experts: int) -> jax.Array:
-    em = current_expert_mesh(x_gsd.shape[0], num_experts)
-    if em is None:
+  def __call__(self, x_gsd: jax.Array, routing: Routing,
+               weights: ExpertWeights) -> jax.Array:
+    num_experts = weights.num_experts
+    expert_mesh = current_expert_mesh(x_gsd.shape[0], num_experts)
+    if expert_mesh is None:
       return RaggedDispatcher(backend=self.backend, tile=self.tile)(
-          x_gsd, routing, experts, num_experts)
-    weights = split_weights(experts, x_gsd.shape[-1])
+          x_gsd, routing, weights)
     names = jax.sharding.get_abstract_mesh().axis_names
     group_spec = partitioning.logical_spec(names, "expert_group")
-    local = functools.partial(self._local, em=em, kind=experts.kind,
+    local = functools.partial(self._local, expert_mesh=expert_mesh,
                               num_experts=num_experts)
-    return jax.shard_map(local, in_specs=(group_spec, group_spec) + weight_specs(names),
+    weights = split_wi_0(weights)
+    return jax.shard_map(local, in_specs=(group_spec, group_spec,
+                                          expert_parallel_specs(weights)),
                          out_specs=group_spec, check_vma=self.backend == "ragged_dot"
-                         )(x_gsd, routing, *weights)
+                         )(x_gsd, routing, weights)
 
-  def _local(self, x_gsd, routing, wi_0, wi_1, wo, *, em, kind, num_experts):
+  def _local(self, x_gsd: jax.Array, routing: Routing, weights: ExpertWeights, *,
+             expert_mesh: ExpertMesh, num_experts: int) -> jax.Array:
     """The per-device body: returns this device's [g, s, d] outputs."""
     g, s, d = x_gsd.shape
     k = routing.expert_index.shape[-1]
-    axis = em.axis(em.expert_axes)
+    axis = expert_mesh.axis(expert_mesh.expert_axes)
     exchange = (jax.lax.ragged_all_to_all if self.exchange == "ragged"
                 else dense_ragged_all_to_all)
     # My kept rows sorted by expert: the ones for device p are contiguous.
-    key_m = jnp.where(routing.kept, routing.expert_index, num_experts).reshape(-1)
-    order_m = jnp.argsort(key_m, stable=True)
+    order_m, counts_e = sort_by_expert(routing, num_experts)
     token_m = order_m // k
-    counts_pe = jnp.bincount(key_m, length=num_experts + 1)[:num_experts].reshape(
-        em.expert_size, -1).astype(jnp.int32)
+    counts_pe = counts_e.reshape(expert_mesh.expert_size, -1).astype(jnp.int32)
     send_p = jnp.sum(counts_pe, axis=1)
     send_offsets_p = exclusive_cumsum(send_p)
     # What each source sends me per local expert, and where my rows land on each
@@ -135,7 +136,7 @@ class RaggedAllToAllDispatcher:
     sent_pp = jax.lax.all_gather(send_p, axis)  # [source, destination]
     land_offsets_p = (jnp.cumsum(sent_pp, axis=0) - sent_pp)[
         jax.lax.axis_index(axis)]
-    num_recv = em.expert_size * g * s * k
+    num_recv = expert_mesh.expert_size * g * s * k
     x_rd = exchange(x_gsd.reshape(g * s, d)[token_m], jnp.zeros((num_recv, d),
                     x_gsd.dtype), send_offsets_p, send_p, land_offsets_p, recv_p,
                     axis_name=axis)
@@ -145,16 +146,15 @@ class RaggedAllToAllDispatcher:
     group_sizes_e = jnp.sum(recv_counts_pe, axis=0)
     matmul = functools.partial(grouped_matmul, backend=self.backend, tile=self.tile
                                or auto_tile(num_recv, group_sizes_e.shape[0]))
-    y_sorted = expert_mlp_grouped(kind, x_rd[order_r], join_wi_0(wi_0), wi_1, wo,
-                                  group_sizes_e, matmul)
+    y_sorted = expert_mlp_grouped(join_wi_0(weights), x_rd[order_r], group_sizes_e,
+                                  matmul)
     y_rd = jnp.zeros_like(y_sorted).at[order_r].set(y_sorted, unique_indices=True)
     # Send each row back to where it came from in its source's sorted rows.
     back_offsets_p = jax.lax.all_to_all(send_offsets_p, axis, 0, 0, tiled=True)
     recv_offsets_p = exclusive_cumsum(recv_p)
     y_md = exchange(y_rd, jnp.zeros((g * s * k, d), y_rd.dtype), recv_offsets_p,
                     recv_p, back_offsets_p, send_p, axis_name=axis)
-    gate_m = routing.gates.reshape(-1)[order_m].astype(y_md.dtype)
-    y_nd = jnp.zeros((g * s, d), y_md.dtype).at[token_m].add(y_md * gate_m[:, None])
-    if em.hidden_axes:  # split hidden units: partial sums
-      y_nd = jax.lax.psum(y_nd, em.axis(em.hidden_axes))
+    y_nd = combine_rows(y_md, order_m, routing, g * s)
+    if expert_mesh.hidden_axes:  # split hidden units: partial sums
+      y_nd = jax.lax.psum(y_nd, expert_mesh.axis(expert_mesh.hidden_axes))
     return y_nd.reshape(g, s, d)
