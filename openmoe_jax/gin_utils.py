@@ -258,15 +258,6 @@ def check_required(*configurables, scope: str | None = None) -> None:
         + " (bind them in a gin file or with --gin.NAME=VALUE)")
 
 
-def configure_from_argv(argv: Sequence[str], modules: Iterable[str] = CONFIGURABLE_MODULES
-                        ) -> list[str]:
-  """Registers configurables, parses the gin flags in `argv`; returns the other args."""
-  files, bindings, paths, other = parse_flags(argv)
-  import_configurables(modules)
-  parse_gin(files, bindings, paths)
-  return other
-
-
 def write_operative_config(model_dir: str, filename: str = "config.gin") -> str:
   """Writes gin's operative config (values actually used so far) to
   `<model_dir>/<filename>`; returns that path."""

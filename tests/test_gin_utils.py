@@ -140,14 +140,6 @@ def test_write_operative_config(tmp_path):
   assert "toy_train.steps = 5" in text and "toy_train.model_dir = 'x'" in text
 
 
-def test_configure_from_argv(library_gin_dir):
-  other = gin_utils.configure_from_argv(
-      ["--gin_file=runs/quickstart.gin", "--gin.toy_train.steps=1", "rest"],
-      modules=["openmoe_jax.optim"])
-  assert other == ["rest"]
-  assert toy_train()[1] == 1
-
-
 def test_import_configurables_propagates_import_errors():
   gin_utils.import_configurables(["openmoe_jax.optim", "openmoe_jax.checkpoints"])
   assert gin.get_configurable("adafactor_openmoe")

@@ -3,7 +3,6 @@ fall back to the previous complete one, partial saves are ignored and cleaned, a
 unwritable MODEL_DIR and a failing save raise one clear error and lose nothing."""
 import errno
 import glob
-import hashlib
 import os
 
 import gin
@@ -11,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tree_digest import tree_digest
 from orbax.checkpoint._src.path import atomicity
 
 from openmoe_jax import checkpoints
@@ -36,16 +36,6 @@ def _assert_state_of(state, step):
     np.testing.assert_array_equal(np.asarray(state["params"][key]),
                                   np.asarray(expected["params"][key]))
   assert int(state["step"]) == step
-
-
-def _tree_digest(directory):
-  """Returns {relative path: sha256} of every file under `directory`."""
-  digests = {}
-  for path in sorted(glob.glob(os.path.join(directory, "**"), recursive=True)):
-    if os.path.isfile(path):
-      with open(path, "rb") as f:
-        digests[os.path.relpath(path, directory)] = hashlib.sha256(f.read()).hexdigest()
-  return digests
 
 
 def _largest(pattern):
@@ -116,28 +106,28 @@ def test_fallback_off_stops_and_names_the_damaged_checkpoint(tmp_path):
   model_dir = _saved(tmp_path)
   damaged = os.path.join(model_dir, "checkpoints", "3")
   _truncate_array_data(damaged)
-  before = _tree_digest(model_dir)
+  before = tree_digest(model_dir)
   gin.parse_config("Checkpointer.restore_fallback = False")
   with checkpoints.Checkpointer(model_dir, 1, None, print_fn=lambda m: None) as ckpt:
     with pytest.raises(checkpoints.CheckpointDamagedError) as error:
       ckpt.restore()
   assert damaged in str(error.value) and "restore_fallback" in str(error.value)
   assert error.value.step == 3
-  assert _tree_digest(model_dir) == before  # nothing moved or written
+  assert tree_digest(model_dir) == before  # nothing moved or written
 
 
 def test_every_checkpoint_damaged_raises_never_starts_from_scratch(tmp_path):
   model_dir = _saved(tmp_path, steps=(1, 2))
   for step in (1, 2):
     _delete_state_metadata(os.path.join(model_dir, "checkpoints", str(step)))
-  before = _tree_digest(model_dir)
+  before = tree_digest(model_dir)
   with checkpoints.Checkpointer(model_dir, 1, None, print_fn=lambda m: None) as ckpt:
     with pytest.raises(checkpoints.CheckpointDamagedError) as error:
       ckpt.restore()
   assert [s for s, _, _ in error.value.damaged] == [2, 1]
   for step in (1, 2):
     assert os.path.join(model_dir, "checkpoints", str(step)) in str(error.value)
-  assert _tree_digest(model_dir) == before
+  assert tree_digest(model_dir) == before
 
 
 def test_explicit_step_never_falls_back(tmp_path):
@@ -151,7 +141,7 @@ def test_explicit_step_never_falls_back(tmp_path):
 
 def test_changed_shape_is_not_taken_for_damage(tmp_path):
   model_dir = _saved(tmp_path)
-  before = _tree_digest(model_dir)
+  before = tree_digest(model_dir)
   abstract = {"step": _state(0)["step"],
               "params": {"w": jnp.zeros((3, 5)), "b": _state(0)["params"]["b"]}}
   with checkpoints.Checkpointer(model_dir, 1, None, print_fn=lambda m: None) as ckpt:
@@ -162,7 +152,7 @@ def test_changed_shape_is_not_taken_for_damage(tmp_path):
   assert not isinstance(error.value, checkpoints.CheckpointDamagedError)
   assert "params/w: checkpoint shape (3, 4), model shape (3, 5)" in str(error.value)
   assert error.value.mismatches == [("params/w", (3, 4), (3, 5))]
-  assert _tree_digest(model_dir) == before
+  assert tree_digest(model_dir) == before
 
 
 def test_partial_saves_are_ignored_then_removed(tmp_path):
@@ -228,7 +218,7 @@ def _fail_write(monkeypatch):
 def test_failed_background_save_raises_and_keeps_previous(tmp_path, monkeypatch,
                                                           where):
   model_dir = _saved(tmp_path, steps=(1, 2))
-  before = _tree_digest(os.path.join(model_dir, "checkpoints"))
+  before = tree_digest(os.path.join(model_dir, "checkpoints"))
   ckpt = checkpoints.Checkpointer(model_dir, 1, keep=2)
   _fail_finalize(monkeypatch)
   assert ckpt.save(3, _state(3), {"train_batches": 3})  # fails in the background
@@ -245,7 +235,7 @@ def test_failed_background_save_raises_and_keeps_previous(tmp_path, monkeypatch,
   assert "No space left on device" in message and "[1, 2]" in message
   monkeypatch.undo()
   assert ckpt.latest_step() == 2 and ckpt.all_steps() == [1, 2]
-  after = _tree_digest(os.path.join(model_dir, "checkpoints"))
+  after = tree_digest(os.path.join(model_dir, "checkpoints"))
   assert {k: v for k, v in after.items() if k.split(os.sep)[0] in "12"} == before
   if where != "close":
     # Storage fixed: the next save works and keep=2 prunes as usual.
@@ -258,7 +248,7 @@ def test_failed_background_save_raises_and_keeps_previous(tmp_path, monkeypatch,
 
 def test_failed_synchronous_save_raises_and_keeps_previous(tmp_path, monkeypatch):
   model_dir = _saved(tmp_path, steps=(1, 2))
-  before = _tree_digest(model_dir)
+  before = tree_digest(model_dir)
   with checkpoints.Checkpointer(model_dir, 1, keep=2) as ckpt:
     _fail_write(monkeypatch)
     with pytest.raises(checkpoints.CheckpointSaveError,
@@ -266,12 +256,12 @@ def test_failed_synchronous_save_raises_and_keeps_previous(tmp_path, monkeypatch
       ckpt.save(3, _state(3), {"train_batches": 3})
     monkeypatch.undo()
     assert ckpt.all_steps() == [1, 2]
-  assert _tree_digest(model_dir) == before
+  assert tree_digest(model_dir) == before
 
 
 def test_a_state_holding_nan_is_never_saved(tmp_path):
   _saved(tmp_path, steps=(1,))
-  before = _tree_digest(tmp_path)
+  before = tree_digest(tmp_path)
   bad = _state(2)
   bad["params"]["w"] = bad["params"]["w"].at[1, 2].set(jnp.inf)
   with checkpoints.Checkpointer(tmp_path, 1, None) as ckpt:
@@ -280,5 +270,5 @@ def test_a_state_holding_nan_is_never_saved(tmp_path):
       ckpt.save(2, bad, {"train_batches": 2})
     assert ckpt.save(3, _state(3), {"train_batches": 3})  # a finite one still saves
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "3"]
-  assert {k: v for k, v in _tree_digest(tmp_path).items() if k.startswith("checkpoints/1/")} == {
+  assert {k: v for k, v in tree_digest(tmp_path).items() if k.startswith("checkpoints/1/")} == {
       k: v for k, v in before.items() if k.startswith("checkpoints/1/")}

@@ -6,7 +6,6 @@ In-process runs go through the gin `train()` as the command line does; the kill 
 runs are subprocesses of TRAIN_MODULE.
 """
 import glob
-import hashlib
 import json
 import os
 import re
@@ -22,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from tree_digest import tree_digest
 
 from openmoe_jax import checkpoints, gin_utils, trainer
 from openmoe_jax.data import pipeline
@@ -57,16 +57,6 @@ def _rows(model_dir):
 
 def _train_losses(model_dir):
   return {r["step"]: r["train/loss"] for r in _rows(model_dir) if "train/loss" in r}
-
-
-def _tree_digest(directory):
-  """Returns {relative path: sha256} of every file under `directory`."""
-  digests = {}
-  for path in sorted(glob.glob(os.path.join(directory, "**"), recursive=True)):
-    if os.path.isfile(path):
-      with open(path, "rb") as f:
-        digests[os.path.relpath(path, directory)] = hashlib.sha256(f.read()).hexdigest()
-  return digests
 
 
 def _truncate_array_data(step_dir):
@@ -152,12 +142,12 @@ def test_restore_fallback_false_stops_and_changes_nothing(three_steps, tmp_path,
                                                            monkeypatch):
   model_dir = _copy(three_steps, tmp_path)
   _truncate_array_data(os.path.join(model_dir, "checkpoints", "3"))
-  before = _tree_digest(model_dir)
+  before = tree_digest(model_dir)
   _configure(model_dir, 4, ["train.restore_fallback = False"])
   monkeypatch.setattr(trainer.Trainer, "_compile_steps", lambda self: None)
   with pytest.raises(checkpoints.CheckpointDamagedError, match="checkpoints/3"):
     train(print_fn=lambda *_: None)
-  assert _tree_digest(model_dir) == before
+  assert tree_digest(model_dir) == before
 
 
 @pytest.mark.parametrize("binding, saved, model", [
@@ -167,7 +157,7 @@ def test_restore_fallback_false_stops_and_changes_nothing(three_steps, tmp_path,
 def test_changed_model_on_resume_is_one_clear_error_and_changes_nothing(
     three_steps, tmp_path, monkeypatch, binding, saved, model):
   model_dir = _copy(three_steps, tmp_path)
-  before = _tree_digest(model_dir)
+  before = tree_digest(model_dir)
   _configure(model_dir, 4, [binding])
   monkeypatch.setattr(trainer.Trainer, "_compile_steps", lambda self: None)
   with pytest.raises(checkpoints.CheckpointMismatchError) as error:
@@ -181,7 +171,7 @@ def test_changed_model_on_resume_is_one_clear_error_and_changes_nothing(
   saved_shape, model_shape = found.group(2), found.group(3)
   assert saved in saved_shape and model in model_shape and saved_shape != model_shape
   assert isinstance(error.value, ValueError)  # the CLI's exit 2 without a traceback
-  assert _tree_digest(model_dir) == before
+  assert tree_digest(model_dir) == before
 
 
 # -- NaN / Inf steps ------------------------------------------------------------------
@@ -285,7 +275,7 @@ def test_a_row_torn_by_a_killed_process_is_dropped_on_resume(tmp_path):
 # -- kill -9 ------------------------------------------------------------------------
 
 def _cli(model_dir, steps):
-  args = [f"--gin_file=runs/quickstart.gin", f"--gin.MODEL_DIR={model_dir}",
+  args = ["--gin_file=runs/quickstart.gin", f"--gin.MODEL_DIR={model_dir}",
           f"--gin.TRAIN_STEPS={steps}", "--gin.train.checkpoint_every_steps=2",
           "--gin.train.keep_checkpoints=10"]
   return [sys.executable, "-m", TRAIN_MODULE] + args + [
