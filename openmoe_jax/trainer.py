@@ -477,7 +477,9 @@ def maybe_initialize_distributed(enabled: Optional[bool],
                             f" ({PROCESS_ID_ENV} / maybe_initialize_distributed."
                             "process_id)")
   if not jax.distributed.is_initialized():
-    jax.distributed.initialize(coordinator_address, num_processes, process_id)
+    given = {"coordinator_address": coordinator_address,
+             "num_processes": num_processes, "process_id": process_id}
+    jax.distributed.initialize(**{k: v for k, v in given.items() if v is not None})
   return True
 
 

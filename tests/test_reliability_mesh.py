@@ -215,7 +215,7 @@ def test_distributed_settings_incomplete_or_out_of_range_are_input_errors(
     monkeypatch):
   initialized = []
   monkeypatch.setattr(trainer.jax.distributed, "initialize",
-                      lambda *args: initialized.append(args))
+                      lambda **kwargs: initialized.append(kwargs))
   monkeypatch.setattr(trainer.jax.distributed, "is_initialized", lambda: False)
   for name in (trainer.COORDINATOR_ADDRESS_ENV, trainer.NUM_PROCESSES_ENV,
                trainer.PROCESS_ID_ENV, "TPU_WORKER_HOSTNAMES",
@@ -235,4 +235,5 @@ def test_distributed_settings_incomplete_or_out_of_range_are_input_errors(
   assert not initialized
   # gin-style arguments win over the environment.
   assert trainer.maybe_initialize_distributed(None, process_id=1)
-  assert initialized == [("localhost:1234", 2, 1)]
+  assert initialized == [{"coordinator_address": "localhost:1234",
+                          "num_processes": 2, "process_id": 1}]
