@@ -49,7 +49,10 @@ DAMAGED_DIR = "damaged_checkpoints"
 TMP_MARKER = ".orbax-checkpoint-tmp"
 # Orbax's messages for a checkpoint that does not fit the requested state: the
 # checkpoint is fine, the configuration changed, so no older one would fit either.
-_MISMATCH_MARKERS = ("is not compatible with the stored shape", "Structure mismatch")
+# (A restore without target shardings on another device count says "Topology
+# mismatch"; the trainer always passes the new mesh's shardings.)
+_MISMATCH_MARKERS = ("is not compatible with the stored shape", "Structure mismatch",
+                     "Topology mismatch")
 
 
 # Fault injection (tests): seconds every background save waits inside its window.

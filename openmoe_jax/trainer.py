@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from openmoe_jax import gin_utils, partitioning
+from openmoe_jax import errors, gin_utils, partitioning
 from openmoe_jax import checkpoints
 from openmoe_jax.checkpoints import Checkpointer, abstract_with_shardings
 from openmoe_jax.config import ModelConfig, build_model_config
@@ -258,7 +258,8 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
           eval_split: str = "validation", log_every_steps: int = 10,
           checkpoint_every_steps: int = 100, keep_checkpoints: int = 3,
           seed: int = 0, num_devices: Optional[int] = None, microbatches: int = 1,
-          distributed: Optional[bool] = None, stages: Sequence[Stage] = (),
+          distributed: Optional[bool] = None, data_shards: Optional[int] = None,
+          stages: Sequence[Stage] = (),
           restore_fallback: bool = True, max_consecutive_skipped_steps: int = 10,
           print_fn: Callable[[str], None] = print) -> Dict[str, Any]:
   """Trains (or resumes) a Decoder; returns a summary dict (first/last eval loss,
@@ -268,8 +269,15 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
   `stages`: a schedule of `Stage`s (the first starts at step 0); the switch happens
   at the given step and survives resume. Empty: one stage on mixture_or_task_name.
 
-  `distributed`: call `jax.distributed.initialize()` (multi-host pods); None detects
-  a multi-host TPU VM from its environment.
+  `distributed`: run as one of several processes (`maybe_initialize_distributed`:
+  coordinator address, process count and id from gin or the environment); None
+  detects a multi-host TPU VM, or a process count > 1 given, from the environment.
+
+  `data_shards`: the training and eval data are read as this many disjoint shards
+  (seqio ShardInfo), each giving batch_size / data_shards rows of every global
+  batch, shard 0's rows first; process p reads shards p*k to p*k+k-1 (k =
+  data_shards / process count). None: one shard per process. A run relaunched on a
+  different number of processes with the same data_shards sees the same batches.
 
   Before anything is compiled, MODEL_DIR must be writable
   (`checkpoints.UnwritableDirectoryError`) and every stage's train and eval data
@@ -300,6 +308,8 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
     raise ValueError(f"batch_size {batch_size} must be divisible by microbatches "
                      f"({microbatches}) x the {shards} batch shards of mesh "
                      f"{dict(mesh.shape)} (see make_mesh.* and train.microbatches)")
+  my_shards, num_data_shards = data_shards_of_process(
+      data_shards, batch_size, jax.process_index(), jax.process_count())
   rng = jax.random.PRNGKey(seed)
   with partitioning.activate(mesh), contextlib.ExitStack() as cleanup:
     trainer = Trainer(Decoder(cfg), objective, optimizer, mesh, sequence_length,
@@ -315,11 +325,12 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
     if start >= train_steps:
       print_fn(f"Nothing to train: the run is at step {start} and TRAIN_STEPS is "
                f"{train_steps} (raise --gin.TRAIN_STEPS to train further)")
-    gin_utils.write_operative_config(model_dir)
+    if jax.process_index() == 0:
+      gin_utils.write_operative_config(model_dir)
     host_data = functools.partial(
-        pipeline.get_dataset, sequence_length=sequence_length,
-        batch_size=batch_size // jax.process_count(), shard_index=jax.process_index(),
-        num_shards=jax.process_count())
+        pipeline.get_sharded_dataset, sequence_length=sequence_length,
+        batch_size=batch_size // jax.process_count(), shard_indices=my_shards,
+        num_shards=num_data_shards)
     stage_for_step = _stage_schedule(
         trainer, stages, host_data, rng=rng, seed=seed,
         trained_batches=position["train_batches"], eval_split=eval_split,
@@ -340,6 +351,23 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
       print_fn(f"Waiting for the checkpoint of step {summary['final_step']} to be "
                "written ...")
   return summary
+
+
+def data_shards_of_process(data_shards: Optional[int], batch_size: int,
+                           process_index: int, process_count: int
+                           ) -> tuple[tuple[int, ...], int]:
+  """Returns (the data shards process `process_index` reads, the number of shards):
+  `data_shards` (None: one per process) split into equal consecutive runs, one per
+  process. Raises InputError unless the shards divide among the processes and the
+  batch among the shards."""
+  num = process_count if data_shards is None else int(data_shards)
+  if num < 1 or num % process_count or batch_size % num:
+    raise errors.InputError(
+        f"train.data_shards={data_shards}: the number of data shards must be a "
+        f"multiple of the {process_count} process(es) and divide batch_size "
+        f"{batch_size}")
+  per = num // process_count
+  return tuple(range(process_index * per, (process_index + 1) * per)), num
 
 
 def _initial_state(trainer: Trainer, ckpt: Checkpointer, model_dir: str,
@@ -390,18 +418,69 @@ def _stage_schedule(trainer: Trainer, stages: Sequence[Stage], host_data, *, rng
   return lambda step: build(stage_index(stages, step))
 
 
-def maybe_initialize_distributed(enabled: Optional[bool]) -> bool:
-  """Initialises multi-host JAX when `enabled`, or when None and the environment is
-  a multi-host TPU VM slice; returns whether it did."""
+# Environment variables naming this process's place in a multi-process run (the gin
+# arguments of `maybe_initialize_distributed` win over them).
+COORDINATOR_ADDRESS_ENV = "OPENMOE_JAX_COORDINATOR_ADDRESS"
+NUM_PROCESSES_ENV = "OPENMOE_JAX_NUM_PROCESSES"
+PROCESS_ID_ENV = "OPENMOE_JAX_PROCESS_ID"
+
+
+def _env_int(name: str) -> Optional[int]:
+  """Returns the integer in environment variable `name`, None when it is unset."""
+  value = os.environ.get(name, "").strip()
+  if not value:
+    return None
+  try:
+    return int(value)
+  except ValueError:
+    raise errors.InputError(f"{name}={value!r} is not an integer") from None
+
+
+@gin.configurable(denylist=["enabled"])
+def maybe_initialize_distributed(enabled: Optional[bool],
+                                 coordinator_address: Optional[str] = None,
+                                 num_processes: Optional[int] = None,
+                                 process_id: Optional[int] = None) -> bool:
+  """Initialises multi-process JAX (`jax.distributed.initialize`); returns whether
+  it did (or had been already).
+
+  `coordinator_address` ("host:port" of process 0), `num_processes` and
+  `process_id` come from gin or, when unset there, from the environment variables
+  OPENMOE_JAX_COORDINATOR_ADDRESS, OPENMOE_JAX_NUM_PROCESSES and
+  OPENMOE_JAX_PROCESS_ID; left unset, JAX detects them (TPU VM slices, SLURM, ...).
+  `enabled` None initialises when num_processes > 1 is given, or when the
+  environment is a multi-host TPU VM slice. On CPU the processes' collectives run
+  over gloo (TCP), JAX's default `jax_cpu_collectives_implementation`.
+  """
+  coordinator_address = coordinator_address or os.environ.get(
+      COORDINATOR_ADDRESS_ENV) or None
+  num_processes = num_processes if num_processes is not None else _env_int(
+      NUM_PROCESSES_ENV)
+  process_id = process_id if process_id is not None else _env_int(PROCESS_ID_ENV)
   if enabled is None:
     # libtpu may leave a warning sentence in this variable off-TPU: count only
     # entries that look like host names.
     hosts = [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",")
              if h and not any(c.isspace() for c in h)]
-    enabled = len(hosts) > 1 or "MEGASCALE_COORDINATOR_ADDRESS" in os.environ
-  if enabled:
-    jax.distributed.initialize()
-  return bool(enabled)
+    enabled = ((num_processes or 1) > 1 or len(hosts) > 1
+               or "MEGASCALE_COORDINATOR_ADDRESS" in os.environ)
+  if not enabled:
+    return False
+  if num_processes is not None and (coordinator_address is None or process_id is None):
+    raise errors.InputError(
+        f"{num_processes} processes but no "
+        f"{'coordinator address' if coordinator_address is None else 'process id'}: "
+        f"set maybe_initialize_distributed.coordinator_address and .process_id (gin) "
+        f"or {COORDINATOR_ADDRESS_ENV} and {PROCESS_ID_ENV}, in every process")
+  if num_processes is not None and not 0 <= process_id < num_processes:
+    raise errors.InputError(f"process id {process_id} is not in [0, {num_processes})"
+                            f" ({PROCESS_ID_ENV} / maybe_initialize_distributed."
+                            "process_id)")
+  if not jax.distributed.is_initialized():
+    given = {"coordinator_address": coordinator_address,
+             "num_processes": num_processes, "process_id": process_id}
+    jax.distributed.initialize(**{k: v for k, v in given.items() if v is not None})
+  return True
 
 
 def _print_model_summary(print_fn, cfg: ModelConfig, abstract_params, mesh):

@@ -8,7 +8,7 @@ after n batches.
 from __future__ import annotations
 
 import os
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -176,3 +176,25 @@ def get_dataset(
     ds = ds.take(num_batches)
   ds = ds.prefetch(2)
   return _batches(ds, mixture_or_task_name, split)
+
+
+def get_sharded_dataset(mixture_or_task_name: str, sequence_length: int,
+                        batch_size: int, shard_indices: Sequence[int],
+                        num_shards: int, **kwargs) -> Iterator[dict[str, np.ndarray]]:
+  """Returns an iterator of batches of `batch_size` rows made of the data shards
+  `shard_indices` (of `num_shards`): each batch is batch_size / len(shard_indices)
+  rows of `get_dataset` on each shard in turn, concatenated, so that the rows of
+  one shard are the same whichever process reads it together with which others.
+  `kwargs` go to `get_dataset` (split, seed, skip_batches, ...); the iterator
+  ends with the shortest shard."""
+  shard_indices = list(shard_indices)
+  if not shard_indices or batch_size % len(shard_indices):
+    raise ValueError(f"batch_size {batch_size} cannot be split evenly over the data "
+                     f"shards {shard_indices}")
+  parts = [get_dataset(mixture_or_task_name, sequence_length,
+                       batch_size // len(shard_indices), shard_index=index,
+                       num_shards=num_shards, **kwargs) for index in shard_indices]
+  if len(parts) == 1:
+    return parts[0]
+  return ({k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+          for batches in zip(*parts))
