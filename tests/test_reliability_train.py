@@ -153,6 +153,8 @@ def test_restore_fallback_false_stops_and_changes_nothing(three_steps, tmp_path,
 @pytest.mark.parametrize("binding, saved, model", [
     ("ModelConfig.d_model = 48", "32", "48"),
     ("MoeConfig.num_experts = 8", "4", "8"),
+    # A vocabulary of another size: the embedding (8192 tokens padded to 8320).
+    ("ModelConfig.vocab_size = 8448", "8320", "8448"),
 ])
 def test_changed_model_on_resume_is_one_clear_error_and_changes_nothing(
     three_steps, tmp_path, monkeypatch, binding, saved, model):
