@@ -16,7 +16,7 @@ import math
 import sys
 from typing import Any, Dict
 
-from openmoe_jax import gin_utils
+from openmoe_jax import gin_utils, run_loader
 from openmoe_jax.cli import flags
 from openmoe_jax.trainer import train
 
@@ -59,6 +59,9 @@ def _run(args, gin_flags: flags.GinFlags) -> int:
   gin_utils.import_configurables()
   gin_utils.parse_gin(gin_flags.files, gin_flags.bindings, gin_flags.search_paths)
   gin_utils.check_required(train)
+  if not run_loader.query("train.stages"):
+    run_loader.check_task(run_loader.query("train.mixture_or_task_name"),
+                          "train.mixture_or_task_name (MIXTURE_OR_TASK_NAME)")
   summary = train()
   print_run_summary(summary)
   if summary.get("interrupted"):
