@@ -109,7 +109,10 @@ def check_task(name: Any, flag: str) -> None:
 
 def check_split(name: str, split: str, flag: str = "--split") -> None:
   """Raises errors.InputError naming `flag` and the valid splits when the task or
-  mixture `name` has no split `split`; returns None."""
+  mixture `name` has no split `split`; returns None (also for a name seqio does not
+  know: reading its data names that)."""
+  if name not in task_names():
+    return
   splits = sorted(seqio.get_mixture_or_task(name).splits)
   if split not in splits:
     raise errors.InputError(f"{flag}={split!r}: {name} has no such split; valid: "
