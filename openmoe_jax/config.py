@@ -8,6 +8,7 @@ layers/mlp.py, the gate kind in moe/gates.py) when it is built.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any, Optional, Tuple
 
 import gin
@@ -61,6 +62,11 @@ class MoeConfig:
   dispatcher: Any = None  # None: AutoDispatcher()
 
   def __post_init__(self):
+    _check_types(self)
+    for name in ("capacity_factor_train", "capacity_factor_eval"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"MoeConfig.{name}={getattr(self, name)} must be > 0 (1.0: "
+                         "each expert takes its even share of the group's tokens)")
     if self.num_shared_experts < 0:
       raise ValueError("MoeConfig.num_shared_experts must be >= 0")
     if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
@@ -113,6 +119,13 @@ class ModelConfig:
   scale_attention_logits: bool = True
 
   def __post_init__(self):
+    _check_types(self)
+    for name in ("d_model", "num_heads", "head_dim", "d_ff"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"ModelConfig.{name}={getattr(self, name)} must be >= 1")
+    if self.vocab_size is not None and self.vocab_size < 1:
+      raise ValueError(f"ModelConfig.vocab_size={self.vocab_size} must be >= 1 (or "
+                       "None: the task vocabulary's size)")
     _check_choice("remat_policy", self.remat_policy, REMAT_POLICIES)
     _check_choice("dtype", self.dtype, DTYPES)
     if self.num_layers < 1 or self.sparse_interval < 0 or self.num_dense_first < 0:
@@ -143,6 +156,28 @@ class ModelConfig:
   def replace(self, **changes) -> "ModelConfig":
     """Returns a copy with `changes` applied."""
     return dataclasses.replace(self, **changes)
+
+
+# Field annotations (strings: `from __future__ import annotations`) -> accepted types.
+_FIELD_TYPES = {"int": numbers.Integral, "float": numbers.Real, "bool": (bool,),
+                "str": (str,)}
+
+
+def _check_types(config) -> None:
+  """Raises ValueError naming the first field of the dataclass `config` whose value
+  does not have its annotated type (int, float, bool, str, Optional of these)."""
+  for field in dataclasses.fields(config):
+    annotation, optional = field.type, False
+    if annotation.startswith("Optional[") and annotation.endswith("]"):
+      annotation, optional = annotation[len("Optional["):-1], True
+    types = _FIELD_TYPES.get(annotation)
+    value = getattr(config, field.name)
+    if types is None or (optional and value is None):
+      continue
+    if not isinstance(value, types) or (annotation != "bool" and isinstance(value, bool)):
+      raise ValueError(f"{type(config).__name__}.{field.name}={value!r} must be "
+                       f"{'an' if annotation == 'int' else 'a'} {annotation}"
+                       + (" or None" if optional else ""))
 
 
 def _check_choice(name, value, choices):

@@ -15,11 +15,13 @@ offending binding named; `check_required` reports unbound gin.REQUIRED parameter
 before anything is compiled.
 """
 import contextlib
+import difflib
 import importlib
 import importlib.util  # gin's resource reader calls importlib.util without importing it.
 import inspect
 import logging
 import os
+import re
 import tokenize
 from collections.abc import Iterable, Sequence
 
@@ -198,12 +200,17 @@ def resolve_gin_file(name: str, paths: Sequence[str]) -> str:
 
 
 def parse_gin(gin_files: Sequence[str] = (), gin_bindings: Sequence[str] = (),
-              gin_search_paths: Sequence[str] = (), finalize: bool = True) -> None:
+              gin_search_paths: Sequence[str] = (), finalize: bool = True,
+              read_macros: Sequence[str] = ()) -> None:
   """Parses gin files then bindings (later ones override) into the global config.
 
   Configurables must already be registered (`import_configurables()`). Raises
   GinConfigError naming the file or binding for a missing file, an unknown
-  configurable or parameter, or a value gin cannot parse. Returns None.
+  configurable or parameter, a value gin cannot parse, or a macro set by
+  `gin_bindings` (`--gin.NAME=...`) that no binding uses (a typo such as
+  TRAIN_STEP for TRAIN_STEPS would otherwise change nothing); `read_macros` are
+  macros the caller reads itself (gin.query_parameter), so they count as used.
+  Returns None.
   """
   paths = search_paths(gin_search_paths)
   with _gin_search_paths(paths):
@@ -218,12 +225,44 @@ def parse_gin(gin_files: Sequence[str] = (), gin_bindings: Sequence[str] = (),
       gin.parse_config(binding)
     except _PARSE_ERRORS as e:
       raise GinConfigError(f"gin binding {binding!r}: {e}") from e
+  check_macros_used(gin_bindings, read_macros)
   if finalize:
     try:
       gin.finalize()
     except ValueError as e:  # a %gin.REQUIRED macro or value left unset
       raise GinConfigError(
           f"{e} (bind it in a gin file or with --gin.NAME=VALUE)") from e
+
+
+_MACRO_BINDING = re.compile(r"^\s*([A-Za-z_][\w/]*)\s*=")
+
+
+def macros_in_use() -> set[str]:
+  """Returns the names of the macros that some binding of the global config
+  references (`%NAME`)."""
+  # pylint: disable=protected-access
+  macro_fn = gin.get_configurable(gin.config.macro)
+  return {ref.scoped_selector.rsplit("/", 1)[0]
+          for ref in gin.config.iterate_references(gin.config._CONFIG, to=macro_fn)}
+
+
+def check_macros_used(gin_bindings: Sequence[str], read_macros: Sequence[str] = ()
+                      ) -> None:
+  """Raises GinConfigError for the first binding of `gin_bindings` that sets a
+  macro (`NAME = value`, no dot) which no binding of the global config uses and
+  which is not in `read_macros`, naming the closest macro in use. Returns None."""
+  used = macros_in_use() | set(read_macros)
+  for binding in gin_bindings:
+    match = _MACRO_BINDING.match(binding)
+    if not match or match.group(1) in used:
+      continue
+    name = match.group(1)
+    close = difflib.get_close_matches(name, sorted(used), n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]}? " if close else ""
+    known = ", ".join(sorted(used)) or "none"
+    raise GinConfigError(
+        f"--gin.{name}: no binding uses the macro {name}, so setting it would change "
+        f"nothing; {hint}macros in use: {known}")
 
 
 def missing_required(configurable, scope: str | None = None) -> list[str]:

@@ -87,12 +87,16 @@ def make_mesh(num_devices: int | None = None, data: int = -1, fsdp: int = 1,
   devices = list(jax.devices() if devices is None else devices)
   n = len(devices) if num_devices is None else num_devices
   if not 1 <= n <= len(devices):
-    raise ValueError(f"num_devices={num_devices} but {len(devices)} devices exist")
+    raise ValueError(f"train.num_devices={num_devices} but {len(devices)} devices "
+                     f"exist: pick 1 to {len(devices)} (or None: all)")
   dcn = (dcn_data, dcn_fsdp, dcn_expert, dcn_tensor)
   ici = _fill_auto_degree((data, fsdp, expert, tensor), n // math.prod(dcn))
   if math.prod(ici) * math.prod(dcn) != n:
-    raise ValueError(f"mesh degrees ici={dict(zip(MESH_AXES, ici))} x "
-                     f"dcn={dict(zip(MESH_AXES, dcn))} do not multiply to {n} devices")
+    raise ValueError(f"make_mesh degrees ici={dict(zip(MESH_AXES, ici))} x "
+                     f"dcn={dict(zip(MESH_AXES, dcn))} multiply to "
+                     f"{math.prod(ici) * math.prod(dcn)}, not to the {n} devices: pick "
+                     f"degrees whose product is {n} (or -1 for one of data, fsdp, "
+                     "expert, tensor to fill)")
   if math.prod(dcn) > 1:
     grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices[:n])
   else:

@@ -38,13 +38,25 @@ CHIPS = {
 }
 
 
+TOPOLOGY_PATTERN = re.compile(r"^v\d+[a-z]*:\d+x\d+(x\d+)?$")
+TOPOLOGY_EXAMPLES = "v5p:2x2x1, v5e:2x2, v4:2x2x2, v6e:4x4"
+
+
 def topology_devices(topology: str):
   """Returns the TPU devices of `topology` (e.g. "v5p:2x2x1") from libtpu."""
   # Compiling needs no TPU, so several processes may load libtpu at once (tests,
   # a planner beside a training run) instead of failing on its lockfile.
+  if not TOPOLOGY_PATTERN.match(topology):
+    raise ValueError(f"--topology={topology!r} is not a TPU topology: write "
+                     f"GENERATION:AxB[xC], e.g. {TOPOLOGY_EXAMPLES}")
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
-  return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
+  try:
+    return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
+  except jax.errors.JaxRuntimeError as e:  # libtpu: unknown generation, bad shape
+    reason = str(e).strip().splitlines()[0].replace("INVALID_ARGUMENT: ", "")
+    raise ValueError(f"--topology={topology!r}: libtpu rejects it ({reason}); "
+                     f"valid topologies look like {TOPOLOGY_EXAMPLES}") from e
 
 
 COLLECTIVES = ("all-to-all", "ragged-all-to-all", "all-gather", "all-reduce",
@@ -82,6 +94,12 @@ def plan(topology: str, batch_size: int, sequence_length: int = 2048,
   under-counts scanned layers and microbatches by their trip counts; compile with
   `ModelConfig.scan_layers=False` and one microbatch to compare like with like.
   """
+  for name, value in (("BATCH_SIZE", batch_size), ("SEQUENCE_LENGTH", sequence_length),
+                      ("plan.microbatches", microbatches)):
+    if not isinstance(value, int) or value < 1:
+      raise ValueError(f"{name}={value!r} must be an integer >= 1")
+  if step_time_s is not None and not step_time_s > 0:
+    raise ValueError(f"--step_time={step_time_s} must be > 0 seconds")
   devices = topology_devices(topology)
   kind = devices[0].device_kind
   if kind not in CHIPS:
@@ -92,6 +110,11 @@ def plan(topology: str, batch_size: int, sequence_length: int = 2048,
   cfg = ModelConfig()
   optimizer = optimizer or adafactor_openmoe(learning_rate=0.01, warmup_steps=10000)
   mesh = partitioning.make_mesh(devices=devices)
+  shards = partitioning.batch_shards(mesh)
+  if batch_size % (shards * microbatches):
+    raise ValueError(f"BATCH_SIZE={batch_size} must be divisible by microbatches "
+                     f"({microbatches}) x the {shards} batch shards of mesh "
+                     f"{dict(mesh.shape)}: e.g. {shards * microbatches}")
   model = Decoder(cfg)
   start = time.perf_counter()
   key = jax.random.PRNGKey(0)  # made on the host CPU, outside the TPU mesh

@@ -2,12 +2,14 @@
 config and checkpoints. A params export (`convert/params_export.py`) loads the same
 way: its one step is the export's."""
 import dataclasses
+import difflib
 import os
 from typing import Any, List, Optional
 
 import gin
+import seqio
 
-from openmoe_jax import gin_utils
+from openmoe_jax import errors, gin_utils, tasks
 from openmoe_jax.checkpoints import Checkpointer
 from openmoe_jax.config import ModelConfig, build_model_config
 from openmoe_jax.convert import params_export
@@ -74,6 +76,47 @@ def load_run(model_dir: str, vocab_task: Optional[str] = None) -> Run:
              mixture_or_task_name=mixture,
              sequence_length=int(query("train.sequence_length", 256)),
              batch_size=int(query("train.batch_size", 8)), steps=steps)
+
+
+def pick_step(run: Run, step: Optional[int], flag: str = "--step") -> int:
+  """Returns `step` (None: the run's newest); raises errors.InputError naming the
+  flag and the available steps when the run has no checkpoint at `step`."""
+  if step is None:
+    return run.steps[-1]
+  if step not in run.steps:
+    raise errors.InputError(f"{flag}={step}: {run.model_dir} has no checkpoint at step "
+                            f"{step}; available steps: {run.steps}")
+  return step
+
+
+def task_names() -> List[str]:
+  """Returns the names of every registered seqio task and mixture, sorted."""
+  tasks.register_tasks()
+  return sorted(set(seqio.TaskRegistry.names()) | set(seqio.MixtureRegistry.names()))
+
+
+def check_task(name: Any, flag: str) -> None:
+  """Raises errors.InputError naming `flag`, the closest registered name and the
+  valid ones when `name` is no registered seqio task or mixture; returns None."""
+  names = task_names()
+  if isinstance(name, str) and name in names:
+    return
+  close = difflib.get_close_matches(str(name), names, n=1)
+  hint = f"did you mean {close[0]!r}? " if close else ""
+  raise errors.InputError(f"{flag}={name!r} is no seqio task or mixture; {hint}"
+                          f"registered: {', '.join(names)}")
+
+
+def check_split(name: str, split: str, flag: str = "--split") -> None:
+  """Raises errors.InputError naming `flag` and the valid splits when the task or
+  mixture `name` has no split `split`; returns None (also for a name seqio does not
+  know: reading its data names that)."""
+  if name not in task_names():
+    return
+  splits = sorted(seqio.get_mixture_or_task(name).splits)
+  if split not in splits:
+    raise errors.InputError(f"{flag}={split!r}: {name} has no such split; valid: "
+                            f"{', '.join(splits)}")
 
 
 def _reads_params_export(model_dir: str) -> bool:

@@ -113,6 +113,21 @@ def test_bad_binding_fails_at_parse_time_naming_it(binding, message):
   assert binding in str(err.value)
 
 
+def test_command_line_macro_no_binding_uses_is_an_error_naming_the_closest(
+    tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  _write(tmp_path / "run.gin", "STEPS = 5\ntoy_train.steps = %STEPS\n")
+  gin_utils.parse_gin(["run.gin"], ["STEPS = 7"])  # used: fine
+  gin.clear_config()
+  with pytest.raises(gin_utils.GinConfigError,
+                     match=r"--gin\.STEP: no binding uses the macro STEP.*did you "
+                           r"mean STEPS\? macros in use: STEPS$"):
+    gin_utils.parse_gin(["run.gin"], ["STEP = 7"])
+  gin.clear_config()
+  # A macro the program reads itself (gin.query_parameter) counts as used.
+  gin_utils.parse_gin(["run.gin"], ["BATCH = 7"], read_macros=("BATCH",))
+
+
 def test_unknown_binding_in_file_names_file(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
   _write(tmp_path / "bad.gin", "toy_train.nonexistent = 1\n")

@@ -16,7 +16,7 @@ from openmoe_jax.analysis.study import analyze_records, load_records, record_che
 from openmoe_jax.cli import flags
 from openmoe_jax.data import pipeline
 from openmoe_jax.moe.routers import PRIORITIES
-from openmoe_jax.run_loader import load_run
+from openmoe_jax.run_loader import check_task, load_run
 
 
 def _bool(text: str) -> bool:
@@ -44,14 +44,14 @@ PROGRAM.add("--checkpoints", default="all",
                  "in full, all of them feed the early-routing curve")
 PROGRAM.add("--tasks", default="local_code,local_text",
             help="comma-separated seqio tasks (validation split)")
-PROGRAM.add("--num_batches", type=int, default=16, help="batches per task")
-PROGRAM.add("--batch_size", type=int, default=None, help="default: the run's")
-PROGRAM.add("--sequence_length", type=int, default=None, help="default: the run's")
+PROGRAM.add("--num_batches", type=flags.int_at_least(1), default=16, help="batches per task")
+PROGRAM.add("--batch_size", type=flags.int_at_least(1), default=None, help="default: the run's")
+PROGRAM.add("--sequence_length", type=flags.int_at_least(1), default=None, help="default: the run's")
 PROGRAM.add("--pack", type=_bool, default=True,
             help="pack documents into rows as in training (default true)")
 PROGRAM.add("--split", default="validation")
-PROGRAM.add("--num_buckets", type=int, default=8, help="position buckets for drops")
-PROGRAM.add("--min_count", type=int, default=5,
+PROGRAM.add("--num_buckets", type=flags.int_at_least(1), default=8, help="position buckets for drops")
+PROGRAM.add("--min_count", type=flags.int_at_least(1), default=5,
             help="a token id counts as frequent from this many occurrences")
 PROGRAM.add("--from_records", default=None,
             help="reuse records/step_*.npz from this folder instead of the model")
@@ -74,10 +74,17 @@ def _select_steps(available: List[int], spec: str) -> List[int]:
     return list(available)
   if spec == "latest":
     return [available[-1]]
-  wanted = sorted({int(s) for s in spec.split(",") if s.strip()})
+  try:
+    wanted = sorted({int(s) for s in spec.split(",") if s.strip()})
+  except ValueError:
+    wanted = []
+  if not wanted:
+    raise flags.UsageError(f"--checkpoints={spec!r}: give 'all', 'latest' or "
+                           f"comma-separated steps from {available}")
   missing = [s for s in wanted if s not in available]
   if missing:
-    raise flags.UsageError(f"checkpoints {missing} not found; available: {available}")
+    raise flags.UsageError(f"--checkpoints: no checkpoint at step(s) {missing}; "
+                           f"available: {available}")
   return wanted
 
 
@@ -97,6 +104,10 @@ def _run(args: argparse.Namespace) -> int:
       load_run(args.model_dir, vocab_task=records[-1].task_names[0])
   else:
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+      raise flags.UsageError("--tasks is empty: name at least one seqio task")
+    for task in tasks:
+      check_task(task, "--tasks")
     run = load_run(args.model_dir, vocab_task=tasks[0])
     records, meta = record_checkpoints(
         run, _select_steps(run.steps, args.checkpoints), tasks, args.output,

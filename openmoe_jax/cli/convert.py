@@ -70,7 +70,8 @@ def _program() -> flags.Program:
                           description="Write a Hugging Face folder: safetensors shards, "
                           "config.json and the tokenizer.")
   hf_out.add_argument("--layout", required=True, choices=sorted(registry.HF_LAYOUTS))
-  hf_out.add_argument("--max_shard_gb", type=float, default=2.0)
+  hf_out.add_argument("--max_shard_gb", type=flags.float_in(0.0, low_open=True),
+                      default=2.0)
   export = sub.add_parser("params", help="MODEL_DIR -> params export",
                           description="Write a params-only Orbax export (no optimizer "
                           "state) of a run's checkpoint.")
@@ -80,7 +81,8 @@ def _program() -> flags.Program:
     p.add_argument("--model_dir", required=True,
                    help="training MODEL_DIR or params export")
     p.add_argument("--output", required=True, help="folder to create")
-    p.add_argument("--step", type=int, default=None, help="default: the newest")
+    p.add_argument("--step", type=flags.int_at_least(0), default=None,
+                   help="default: the newest")
   for p in sub.choices.values():
     p.add_argument("--verbose", action="store_true", help=argparse.SUPPRESS)
   return program
@@ -133,9 +135,7 @@ def _import(reader, layout, args, files, bindings, paths, say) -> None:
 
 def _load_run_params(model_dir: str, step: Optional[int]):
   run = run_loader.load_run(model_dir)
-  step = run.steps[-1] if step is None else step
-  if step not in run.steps:
-    raise ConversionError(f"no checkpoint at step {step} in {model_dir}: {run.steps}")
+  step = run_loader.pick_step(run, step)
   return run, step, jax.tree.map(np.asarray, nn.unbox(
       run_loader.restore_params(model_dir, step)))
 

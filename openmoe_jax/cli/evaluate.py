@@ -30,9 +30,9 @@ PROGRAM = flags.Program(
 PROGRAM.add("--model_dir", required=True, help="training MODEL_DIR or params export")
 PROGRAM.add("--task", help="mixture or task (default: the run's own)")
 PROGRAM.add("--split", default="validation")
-PROGRAM.add("--num_batches", type=int, default=8)
-PROGRAM.add("--num_samples", type=int, default=16, help="diffusion: ELBO draws")
-PROGRAM.add("--step", type=int, help="checkpoint step (default: latest)")
+PROGRAM.add("--num_batches", type=flags.int_at_least(1), default=8)
+PROGRAM.add("--num_samples", type=flags.int_at_least(1), default=16, help="diffusion: ELBO draws")
+PROGRAM.add("--step", type=flags.int_at_least(0), help="checkpoint step (default: latest)")
 PROGRAM.add("--seed", type=int, default=0)
 
 
@@ -41,10 +41,13 @@ def _run(args, gin_flags) -> int:
   from openmoe_jax import run_loader, trainer  # pylint: disable=g-import-not-at-top
   from openmoe_jax.data import pipeline  # pylint: disable=g-import-not-at-top
   run = run_loader.load_run(args.model_dir)
-  step = args.step or run.steps[-1]
-  params = run_loader.restore_params(args.model_dir, step)
+  step = run_loader.pick_step(run, args.step)
   objective = run_loader.query("train.objective") or CausalLm()
   task = args.task or run.mixture_or_task_name
+  if args.task:
+    run_loader.check_task(args.task, "--task")
+  run_loader.check_split(task, args.split)
+  params = run_loader.restore_params(args.model_dir, step)
   batches = pipeline.get_dataset(task, run.sequence_length, run.batch_size,
                                  split=args.split, shuffle=False, repeat=False,
                                  num_batches=args.num_batches)

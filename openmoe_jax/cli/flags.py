@@ -17,6 +17,7 @@ sees the rest.
 """
 import argparse
 import dataclasses
+import math
 import sys
 import textwrap
 import traceback
@@ -72,6 +73,37 @@ class _Parser(argparse.ArgumentParser):
     usage, _, rest = text.partition("\n\n")
     return usage.rstrip("\n") + " " + self.gin_usage + "\n" + (
         "\n" + rest if rest else "")
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+  """Returns an argparse `type` accepting integers >= `low`; a bad value reads
+  `argument --flag: expected an integer >= low, got 'x'`."""
+  def parse(text: str) -> int:
+    try:
+      value = int(text)
+    except ValueError:
+      value = None
+    if value is None or value < low:
+      raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
+    return value
+  return parse
+
+
+def float_in(low: float, high: float = math.inf, low_open: bool = False
+             ) -> Callable[[str], float]:
+  """Returns an argparse `type` accepting numbers in [low, high] ((low, high] with
+  `low_open`); a bad value reads `argument --flag: expected ..., got 'x'`."""
+  bounds = (f"> {low}" if low_open else f">= {low}") + (
+      f" and <= {high}" if high != math.inf else "")
+  def parse(text: str) -> float:
+    try:
+      value = float(text)
+    except ValueError:
+      value = math.nan
+    if not (value > low if low_open else value >= low) or not value <= high:
+      raise argparse.ArgumentTypeError(f"expected a number {bounds}, got {text!r}")
+    return value
+  return parse
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,7 +44,7 @@ def _run(args, gin_flags: flags.GinFlags) -> int:
     raise flags.UsageError("--gin_file is required: the model to plan")
   gin_utils.import_configurables()
   gin_utils.parse_gin(gin_flags.files, gin_flags.bindings, gin_flags.search_paths,
-                      finalize=False)
+                      finalize=False, read_macros=("BATCH_SIZE", "SEQUENCE_LENGTH"))
   macro = lambda name, default: (gin.query_parameter(f"%{name}")
                                  if _has_macro(name) else default)
   report = plan(args.topology, batch_size=macro("BATCH_SIZE", 8),

@@ -28,12 +28,12 @@ PROGRAM = flags.Program(
 PROGRAM.add("--model_dir", required=True, help="training MODEL_DIR or params export")
 PROGRAM.add("--prompt", default="")
 PROGRAM.add("--mode", choices=["auto", "ar", "diffusion"], default="auto")
-PROGRAM.add("--step", type=int, help="checkpoint step (default: latest)")
-PROGRAM.add("--max_new_tokens", type=int, default=64)
-PROGRAM.add("--temperature", type=float, default=0.0, help="0: greedy")
-PROGRAM.add("--top_p", type=float, default=1.0)
-PROGRAM.add("--steps", type=int, default=32, help="diffusion: denoising steps")
-PROGRAM.add("--block_length", type=int, help="diffusion: semi-AR block length")
+PROGRAM.add("--step", type=flags.int_at_least(0), help="checkpoint step (default: latest)")
+PROGRAM.add("--max_new_tokens", type=flags.int_at_least(1), default=64)
+PROGRAM.add("--temperature", type=flags.float_in(0.0), default=0.0, help="0: greedy")
+PROGRAM.add("--top_p", type=flags.float_in(0.0, 1.0, low_open=True), default=1.0)
+PROGRAM.add("--steps", type=flags.int_at_least(1), default=32, help="diffusion: denoising steps")
+PROGRAM.add("--block_length", type=flags.int_at_least(1), help="diffusion: semi-AR block length")
 PROGRAM.add("--remasking", choices=["low_confidence", "random"],
             default="low_confidence")
 PROGRAM.add("--seed", type=int, default=0)
@@ -44,7 +44,7 @@ def _run(args, gin_flags) -> int:
   from openmoe_jax import run_loader  # pylint: disable=g-import-not-at-top
   from openmoe_jax.data import pipeline  # pylint: disable=g-import-not-at-top
   run = run_loader.load_run(args.model_dir)
-  params = run_loader.restore_params(args.model_dir, args.step or run.steps[-1])
+  params = run_loader.restore_params(args.model_dir, run_loader.pick_step(run, args.step))
   vocab = pipeline.vocabulary_for(run.mixture_or_task_name)
   objective = run_loader.query("train.objective")
   diffusion = args.mode == "diffusion" or (

@@ -16,8 +16,9 @@ import math
 import sys
 from typing import Any, Dict
 
-from openmoe_jax import gin_utils
+from openmoe_jax import gin_utils, run_loader
 from openmoe_jax.cli import flags
+from openmoe_jax.config import ModelConfig
 from openmoe_jax.trainer import train
 
 # Summary keys in print order; the losses are named as in metrics.jsonl:
@@ -59,11 +60,36 @@ def _run(args, gin_flags: flags.GinFlags) -> int:
   gin_utils.import_configurables()
   gin_utils.parse_gin(gin_flags.files, gin_flags.bindings, gin_flags.search_paths)
   gin_utils.check_required(train)
+  if not run_loader.query("train.stages"):
+    run_loader.check_task(run_loader.query("train.mixture_or_task_name"),
+                          "train.mixture_or_task_name (MIXTURE_OR_TASK_NAME)")
+  _check_moe_groups()
   summary = train()
   print_run_summary(summary)
   if summary.get("interrupted"):
     return flags.EXIT_INTERRUPTED
   return flags.EXIT_OK
+
+
+def _check_moe_groups() -> None:
+  """Raises UsageError when MoeConfig.group_size does not divide the tokens of a
+  training (micro)batch: the MoE layer would only find out while tracing the first
+  step, after the run has written to MODEL_DIR. Returns None."""
+  cfg = run_loader.query("train.model_config") or ModelConfig()
+  batch_size = run_loader.query("train.batch_size")
+  sequence_length = run_loader.query("train.sequence_length")
+  microbatches = run_loader.query("train.microbatches", 1)
+  if not any(cfg.sparse_layers()) or batch_size % microbatches:
+    return  # no MoE layer; or train() names the batch/microbatch mismatch
+  tokens = batch_size // microbatches * sequence_length
+  if tokens % min(cfg.moe.group_size, tokens):
+    divisors = [d for d in (sequence_length, 4096, 2048, 1024, 512, 256, 128, 64)
+                if d <= tokens and tokens % d == 0]
+    raise flags.UsageError(
+        f"MoeConfig.group_size={cfg.moe.group_size} must divide the {tokens} tokens of "
+        f"a training batch (BATCH_SIZE {batch_size} / train.microbatches "
+        f"{microbatches} x SEQUENCE_LENGTH {sequence_length}); pick a divisor such as "
+        f"{max(divisors)}")
 
 
 def main(argv=None) -> int:
