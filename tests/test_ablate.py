@@ -36,8 +36,10 @@ def test_bad_arguments(capsys):
 def test_short_runs_scale_the_warmup_down_and_say_so():
   # runs/ablate_tiny.gin warms up for 10 steps: --steps=10 used to fail in the
   # schedule ("total_steps (10) must exceed warmup_steps (10)").
-  bindings, note = ablate.short_run_bindings("runs/ablate_tiny.gin", 10, ["X = 1"])
-  assert bindings == ["X = 1", "adamw_warmup_cosine.warmup_steps = 1"]
+  bindings, note = ablate.short_run_bindings("runs/ablate_tiny.gin", 10,
+                                            ["train.log_every_steps = 5"])
+  assert bindings == ["train.log_every_steps = 5",
+                      "adamw_warmup_cosine.warmup_steps = 1"]
   assert "warming up for 1 step" in note
   assert ablate.short_run_bindings("runs/ablate_tiny.gin", 11) == ([], None)
   # The bindings build the optimizer the ablation then trains with.
