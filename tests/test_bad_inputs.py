@@ -19,7 +19,7 @@ import sys
 
 import gin
 import pytest
-from tree_digest import tree_digest
+from run_files import tree_digest
 
 from openmoe_jax.cli import (ablate, analyze, convert, evaluate, params, plan, sample,
                              train, upcycle)

@@ -11,7 +11,6 @@ numbers in another order (about 1e-7 relative apart here). Where the order is th
 same (the batch split the same number of ways in one process) they are equal bit
 for bit.
 """
-import json
 import os
 import re
 import shutil
@@ -23,6 +22,7 @@ import time
 
 import numpy as np
 import pytest
+from run_files import logged_losses
 
 from test_reliability_train import TINY_BINDINGS, TRAIN_MODULE
 
@@ -62,19 +62,6 @@ def _finish(proc, timeout=600) -> str:
   return output
 
 
-def _losses(model_dir) -> dict:
-  """Returns {step: train loss} of metrics.jsonl (a torn last line skipped)."""
-  losses = {}
-  for line in open(os.path.join(model_dir, "metrics.jsonl")):
-    try:
-      row = json.loads(line)
-    except ValueError:
-      continue
-    if "train/loss" in row:
-      losses[row["step"]] = row["train/loss"]
-  return losses
-
-
 def _close(a: float, b: float) -> bool:
   return abs(a - b) <= LOSS_RTOL * abs(b)
 
@@ -95,7 +82,7 @@ def test_resume_on_another_mesh_and_device_count_reshards_the_checkpoint(tmp_pat
   reference = str(tmp_path / "reference")
   _finish(_spawn(tmp_path, reference, 4, 8, "make_mesh.data = 4",
                  "make_mesh.expert = 2"))
-  expected = _losses(reference)
+  expected = logged_losses(reference)
   assert sorted(expected) == [1, 2, 3, 4] and _steps_on_disk(reference) == [2, 4]
 
   relaunches = {"4 devices, data=2 x expert=2": (4, ("make_mesh.data = 2",
@@ -112,7 +99,7 @@ def test_resume_on_another_mesh_and_device_count_reshards_the_checkpoint(tmp_pat
     assert "Resumed from step 2" in output, output[-3000:]
     mesh = "{'data': 2, 'expert': 2}" if name.startswith("4") else "{'data': 8}"
     assert f"mesh {mesh}" in output, output[-3000:]
-    resumed = _losses(model_dir)
+    resumed = logged_losses(model_dir)
     assert sorted(resumed) == [1, 2, 3, 4], resumed
     if name.startswith("8"):  # the batch split 8 ways as before: the same sums
       assert resumed == expected, (name, resumed, expected)
@@ -178,7 +165,7 @@ def test_two_processes_killed_and_relaunched_match_one_process(tmp_path):
   for output in outputs:
     assert f"Resumed from step {restart}" in output, output[-3000:]
   _finish(single)
-  two, one = _losses(model_dir), _losses(str(tmp_path / "one"))
+  two, one = logged_losses(model_dir), logged_losses(str(tmp_path / "one"))
   assert sorted(two) == sorted(one) == list(range(1, steps + 1)), (two, one)
   assert all(_close(two[s], one[s]) for s in one), (two, one)
 

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tree_digest import tree_digest
+from run_files import tree_digest
 from orbax.checkpoint._src.path import atomicity
 
 from openmoe_jax import checkpoints

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from tree_digest import tree_digest
+from run_files import logged_losses, tree_digest
 
 from openmoe_jax import checkpoints, gin_utils, trainer
 from openmoe_jax.data import pipeline
@@ -284,19 +284,6 @@ def _cli(model_dir, steps):
       f"--gin.{b.replace(' ', '')}" for b in TINY_BINDINGS]
 
 
-def _logged_losses(model_dir):
-  """Returns {step: train loss} of metrics.jsonl, skipping a torn last line."""
-  losses = {}
-  for line in open(os.path.join(model_dir, "metrics.jsonl")):
-    try:
-      row = json.loads(line)
-    except ValueError:
-      continue
-    if "train/loss" in row:
-      losses[row["step"]] = row["train/loss"]
-  return losses
-
-
 def _kill_when(proc, ready, timeout=300):
   """SIGKILLs `proc` as soon as `ready()` holds; returns the time it waited."""
   start = time.monotonic()
@@ -325,18 +312,18 @@ def test_kill_9_mid_save_and_mid_step_then_relaunch_loses_nothing(tmp_path):
   _kill_when(first, lambda: "2" in listing() and any(
       n.startswith("4.") and checkpoints.TMP_MARKER in n for n in listing()))
   assert "4" not in listing()
-  reference = _logged_losses(model_dir)  # an uninterrupted run from step 0
+  reference = logged_losses(model_dir)  # an uninterrupted run from step 0
   assert max(reference) >= 4, reference
 
   # 2. Relaunched: cleans the partial save, resumes from step 2; killed mid-step
   #    once it has run past its first checkpoint.
   second = spawn(1000, {})
   _kill_when(second, lambda: "6" in listing() and max(
-      _logged_losses(model_dir), default=0) >= 7)
+      logged_losses(model_dir), default=0) >= 7)
   output = second.stdout.read()
   assert "orbax-checkpoint-tmp" in output and "Removed" in output, output[-3000:]
   assert "Resumed from step 2" in output, output[-3000:]
-  resumed = _logged_losses(model_dir)
+  resumed = logged_losses(model_dir)
   for step in range(3, max(reference) + 1):
     assert resumed[step] == reference[step], step  # bit for bit (JSON repr)
   reference.update(resumed)
@@ -349,7 +336,7 @@ def test_kill_9_mid_save_and_mid_step_then_relaunch_loses_nothing(tmp_path):
   assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
   restart = int(third.stdout.split("Resumed from step ", 1)[1].split()[0])
   assert 6 <= restart < last
-  final = _logged_losses(model_dir)
+  final = logged_losses(model_dir)
   assert set(final) == set(range(1, last + 1))
   assert all(final[s] == reference[s] for s in final), (final, reference)
   assert not any(checkpoints.TMP_MARKER in n for n in listing())
