@@ -16,12 +16,13 @@ from openmoe_jax.model import Decoder
 
 def count_params(cfg: ModelConfig) -> Dict[str, int]:
   """Returns counts: total, activated, embedding (input table + head), experts
-  (all routed expert weights) and activated_non_embedding."""
+  (all routed expert weights), router (the routers' d x E weights) and
+  activated_non_embedding."""
   tokens = jax.ShapeDtypeStruct((1, min(cfg.moe.group_size, 8)), jnp.int32)
   abstract = jax.eval_shape(Decoder(cfg).init, jax.random.PRNGKey(0), tokens)
   leaves = jax.tree_util.tree_leaves_with_path(
       _strip(abstract["params"]))
-  counts = {"total": 0, "embedding": 0, "experts": 0}
+  counts = {"total": 0, "embedding": 0, "experts": 0, "router": 0}
   for path, leaf in leaves:
     size = math.prod(leaf.shape)
     keys = [getattr(k, "key", str(k)) for k in path]
@@ -30,6 +31,8 @@ def count_params(cfg: ModelConfig) -> Dict[str, int]:
       counts["embedding"] += size
     if "experts" in keys:
       counts["experts"] += size
+    if "router" in keys:
+      counts["router"] += size
   unused_share = 1 - cfg.moe.top_k / cfg.moe.num_experts
   counts["activated"] = counts["total"] - round(counts["experts"] * unused_share)
   counts["activated_non_embedding"] = counts["activated"] - counts["embedding"]

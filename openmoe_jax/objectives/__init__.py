@@ -7,9 +7,11 @@ autoregressive ones (causal LM, UL2's prefix LM).
 from typing import Any
 
 from openmoe_jax.objectives.causal_lm import CausalLm
-from openmoe_jax.objectives.diffusion import MaskedDiffusion, diffusion_elbo
+from openmoe_jax.objectives.diffusion import (MaskedDiffusion, diffusion_elbo,
+                                              diffusion_mask_id)
 
-__all__ = ["CausalLm", "MaskedDiffusion", "diffusion_elbo", "is_diffusion"]
+__all__ = ["CausalLm", "MaskedDiffusion", "diffusion_elbo", "diffusion_mask_id",
+           "is_diffusion"]
 
 
 def is_diffusion(objective: Any) -> bool:

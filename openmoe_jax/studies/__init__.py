@@ -1,0 +1,1 @@
+"""Multi-run studies that `openmoe-ablate --study=NAME` runs (cli/ablate.py)."""
