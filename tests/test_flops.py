@@ -6,6 +6,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 
 from openmoe_jax import flops, gin_utils, partitioning, plan
@@ -96,21 +97,30 @@ def test_full_remat_adds_one_forward_to_hardware_flops_only():
   assert counts["hardware_total"] == counts["total"] * 8 / 6
 
 
-def test_forward_count_matches_the_compiled_forward():
+def _compiled_flops(fn, *args) -> float:
+  cost = jax.jit(fn).lower(*args).compile().cost_analysis()
+  return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+
+def test_counts_match_the_compiled_forward_and_gradient():
   # One layer (XLA counts a scanned loop body once) at sizes where matmuls dominate.
   # XLA counts 2 FLOPs per multiply-add, like the convention, plus the elementwise
   # work (RMSNorm, RoPE, softmax, SiLU: O(d + T h + f) per token against the
   # O(d^2 + T h q + d f) of the matmuls), about 1% here: the compiled count must lie
-  # in [1, 1.05] x the analytic one.
+  # in [1, 1.05] x the analytic one. The gradient's two matmuls per forward one
+  # (inputs and weights; the embedding's gradient needs the first layer's input
+  # gradient) make training 3x the forward.
   cfg = ModelConfig(vocab_size=512, d_model=128, num_heads=2, head_dim=64, d_ff=512,
                     num_layers=1, mlp_kind="swiglu", sparse_interval=0)
   model, tokens = Decoder(cfg), jnp.zeros((2, 128), jnp.int32)
   params = model.init(jax.random.PRNGKey(0), tokens)["params"]
-  cost = jax.jit(lambda p, x: model.apply({"params": p}, x)[0]).lower(
-      params, tokens).compile().cost_analysis()
-  cost = cost[0] if isinstance(cost, list) else cost
-  analytic = flops.model_flops_per_token(cfg, 128, train=False)["total"] * tokens.size
-  assert 1.0 <= cost["flops"] / analytic <= 1.05, cost["flops"] / analytic
+  logits = lambda p, x: model.apply({"params": p}, x)[0]
+  loss = lambda p, x: optax.softmax_cross_entropy_with_integer_labels(
+      logits(p, x), x).mean()
+  for fn, train in ((logits, False), (jax.value_and_grad(loss), True)):
+    analytic = flops.model_flops_per_token(cfg, 128, train=train)["total"] * tokens.size
+    ratio = _compiled_flops(fn, params, tokens) / analytic
+    assert 1.0 <= ratio <= 1.05, (train, ratio)
 
 
 def test_mfu_arithmetic():
