@@ -131,7 +131,8 @@ def measured_matmul_peak_flops(dtype: Any = jnp.float32, size: int = 1024,
                                device: Optional[jax.Device] = None) -> float:
   """Returns the FLOP/s of the fastest of `reps` jitted [size, size] matmuls in
   `dtype` on `device` (default: the default device), 2 x size^3 FLOPs each; stops
-  early once `budget_s` seconds of timing have passed (after two reps)."""
+  early once `budget_s` seconds of timing have passed (after two reps). Call it
+  outside `partitioning.activate` (jit refuses a one-device matmul in a mesh)."""
   device = device or jax.devices()[0]
   rng = np.random.default_rng(0)
   a, b = (jax.device_put(jnp.asarray(rng.standard_normal((size, size)), dtype), device)

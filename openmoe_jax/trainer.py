@@ -314,6 +314,8 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
   my_shards, num_data_shards = data_shards_of_process(
       data_shards, batch_size, jax.process_index(), jax.process_count())
   rng = jax.random.PRNGKey(seed)
+  meter = flops.mfu_meter(cfg, sequence_length, batch_size // microbatches
+                          * sequence_length, mesh, peak_flops_per_sec, print_fn)
   with partitioning.activate(mesh), contextlib.ExitStack() as cleanup:
     trainer = Trainer(Decoder(cfg), objective, optimizer, mesh, sequence_length,
                       microbatches)
@@ -345,8 +347,6 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
     if dropped:
       print_fn(f"Dropped {dropped} metrics.jsonl row(s) past step {start} (steps "
                "that ran after the last checkpoint; this run repeats them)")
-    meter = flops.mfu_meter(cfg, sequence_length, batch_size // microbatches
-                            * sequence_length, mesh, peak_flops_per_sec, print_fn)
     loop = TrainLoop(stage_for_step, ckpt, logger, print_fn,
                      tokens_per_batch=batch_size * sequence_length, mfu_meter=meter,
                      max_consecutive_skipped=max_consecutive_skipped_steps,
