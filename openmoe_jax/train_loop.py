@@ -71,12 +71,17 @@ class TrainLoop:
   stored with the checkpoint resumed from; saved in the data position).
   `max_consecutive_skipped` (None: no limit) of them in a row raise
   TrainingDivergedError naming the steps and the newest checkpoint on disk.
+
+  `mfu_meter` (a flops.MfuMeter, or None) adds `train/mfu` and the FLOPs per token to
+  each log window and the MFU of the summary's tokens_per_sec as `summary["mfu"]`.
   """
 
   def __init__(self, stage_for_step: Callable[[int], LoopStage], checkpointer, logger,
                print_fn: Callable[[str], None], tokens_per_batch: int,
-               max_consecutive_skipped: Optional[int] = None, skipped_steps: int = 0):
+               max_consecutive_skipped: Optional[int] = None, skipped_steps: int = 0,
+               mfu_meter: Any = None):
     self.stage_for_step = stage_for_step
+    self.mfu_meter = mfu_meter
     self.ckpt, self.logger, self.print_fn = checkpointer, logger, print_fn
     self.tokens_per_batch = tokens_per_batch
     self.summary: Dict[str, Any] = {}
@@ -158,6 +163,8 @@ class TrainLoop:
     scalars = {k if k.startswith("moe/") else f"train/{k}": v
                for k, v in means.items()}
     scalars["train/tokens_per_sec"] = tokens_per_sec
+    if self.mfu_meter is not None:
+      scalars.update(self.mfu_meter.scalars(tokens_per_sec))
     if SKIPPED in means:
       scalars["train/skipped_steps_total"] = float(self.skipped_total)
     self.logger.write(step, scalars)
@@ -194,6 +201,9 @@ class TrainLoop:
     # Windows that included compilation count only when no other window exists.
     rates = self.steady_tokens_per_sec or self.all_tokens_per_sec
     self.summary["tokens_per_sec"] = float(np.mean(rates)) if rates else None
+    if self.mfu_meter is not None:
+      rate = self.summary["tokens_per_sec"]
+      self.summary["mfu"] = None if rate is None else self.mfu_meter.mfu(rate)
     return self.summary
 
   def _steps(self, state, start, train_steps, eval_every, log_every, progress, stop):

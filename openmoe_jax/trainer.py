@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from openmoe_jax import errors, gin_utils, partitioning
+from openmoe_jax import errors, flops, gin_utils, partitioning
 from openmoe_jax import checkpoints
 from openmoe_jax.checkpoints import Checkpointer, abstract_with_shardings
 from openmoe_jax.config import ModelConfig, build_model_config
@@ -261,6 +261,7 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
           distributed: Optional[bool] = None, data_shards: Optional[int] = None,
           stages: Sequence[Stage] = (),
           restore_fallback: bool = True, max_consecutive_skipped_steps: int = 10,
+          peak_flops_per_sec: Optional[float] = None,
           print_fn: Callable[[str], None] = print) -> Dict[str, Any]:
   """Trains (or resumes) a Decoder; returns a summary dict (first/last eval loss,
   tokens/s, final step, train loss; `last_eval_metrics` and `last_train_metrics`:
@@ -290,6 +291,8 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
   A step whose loss or gradient norm is not finite leaves the parameters and the
   optimizer state unchanged (`train/skipped_steps`); `max_consecutive_skipped_steps`
   of them in a row stop the run with `train_loop.TrainingDivergedError`.
+
+  `peak_flops_per_sec`: a device's peak for `mfu` (None: TPU spec or measured; flops.py)
   """
   maybe_initialize_distributed(distributed)
   objective = objective or CausalLm()
@@ -311,6 +314,8 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
   my_shards, num_data_shards = data_shards_of_process(
       data_shards, batch_size, jax.process_index(), jax.process_count())
   rng = jax.random.PRNGKey(seed)
+  meter = flops.mfu_meter(cfg, sequence_length, batch_size // microbatches
+                          * sequence_length, mesh, peak_flops_per_sec, print_fn)
   with partitioning.activate(mesh), contextlib.ExitStack() as cleanup:
     trainer = Trainer(Decoder(cfg), objective, optimizer, mesh, sequence_length,
                       microbatches)
@@ -343,7 +348,7 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
       print_fn(f"Dropped {dropped} metrics.jsonl row(s) past step {start} (steps "
                "that ran after the last checkpoint; this run repeats them)")
     loop = TrainLoop(stage_for_step, ckpt, logger, print_fn,
-                     tokens_per_batch=batch_size * sequence_length,
+                     tokens_per_batch=batch_size * sequence_length, mfu_meter=meter,
                      max_consecutive_skipped=max_consecutive_skipped_steps,
                      skipped_steps=position.get(SKIPPED, 0))
     summary = loop.run(state, train_steps, eval_every_steps, log_every_steps)

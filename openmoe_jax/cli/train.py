@@ -24,7 +24,7 @@ from openmoe_jax.trainer import train
 # Summary keys in print order; the losses are named as in metrics.jsonl:
 # `ce_loss` the cross-entropy, `loss` the cross-entropy plus the auxiliary losses.
 SUMMARY_KEYS = ("first_eval_ce_loss", "last_eval_ce_loss", "last_train_loss",
-                "last_train_ce_loss", "tokens_per_sec", "final_step")
+                "last_train_ce_loss", "tokens_per_sec", "mfu", "final_step")
 
 PROGRAM = flags.Program(
     "openmoe-train",
@@ -43,7 +43,7 @@ PROGRAM = flags.Program(
 
 
 def print_run_summary(summary: Dict[str, Any]) -> None:
-  """Prints the end-of-run summary (validation and training losses, tokens/s)."""
+  """Prints the end-of-run summary (validation and training losses, tokens/s, MFU)."""
   print("\n=== openmoe_jax run summary ===")
   for key in SUMMARY_KEYS:
     if key not in summary:
