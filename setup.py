@@ -84,6 +84,9 @@ setuptools.setup(
         "test": ["pytest>=9.0", "pytest-timeout>=2.3", "pytest-xdist>=3.6",
                  "jax[tpu]>=0.10.2,<0.11", "torch>=2.6", "transformers>=5.0,<6"],
         "tpu": ["jax[tpu]>=0.10.2,<0.11"],
+        # jax's CUDA 12 build (jax-cuda12-plugin with the CUDA wheels; jaxlib pinned
+        # to jax's own version, as in constraints.txt). Not installed in CI.
+        "gpu": ["jax[cuda12]>=0.10.2,<0.11"],
     },
     # Every program lives in openmoe_jax/cli/ (`python -m openmoe_jax.cli.<name>`).
     entry_points={

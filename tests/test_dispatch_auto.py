@@ -48,6 +48,26 @@ def test_choice_per_platform_and_size():
     assert auto.choose(256, 8, 256, 2) == AllToAllDispatcher(buffer_dispatcher=SortDispatcher())
 
 
+def test_gpu_picks_the_ragged_dot_grouped_matmul(monkeypatch):
+  auto = AutoDispatcher()
+  for kind in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA A100-SXM4-80GB"):
+    with compile_target(kind):
+      # Small E (einsum on CPU), capacity-limited (sort on CPU) and dropless alike.
+      for args in [(256, 8, 40, 2), (4096, 64, 160, 2), (4096, 64, 4096, 2)]:
+        assert auto.choose(*args) == RaggedDispatcher("ragged_dot"), (kind, args)
+  # A faked GPU backend (no compile target) picks it too.
+  gpu = type("FakeGpu", (), {"platform": "gpu", "device_kind": "NVIDIA H200"})()
+  with monkeypatch.context() as m:
+    m.setattr(jax, "devices", lambda *a: [gpu])
+    assert auto.choose(256, 8, 40, 2) == RaggedDispatcher("ragged_dot")
+  assert auto.choose(256, 8, 40, 2) == EinsumDispatcher()  # back on the CPU
+  # Experts split over devices: the GPU keeps the capacity / padded rules.
+  expert_mesh = jax.make_mesh((2, 2), ("data", "expert"), devices=jax.devices()[:4],
+                              axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  with compile_target("NVIDIA H100 80GB HBM3"), partitioning.activate(expert_mesh):
+    assert auto.choose(1024, 64, 40, 2) == SortDispatcher()
+
+
 def test_output_is_the_chosen_engines():
   g, s, d, num_experts = 2, 16, 8, 4
   x = jax.random.normal(jax.random.PRNGKey(0), (g, s, d))

@@ -10,7 +10,12 @@
   buffers would dwarf the choices, as below) on v4 and later
   `RaggedAllToAllDispatcher(backend="pallas")`, which exchanges exactly the routed
   rows (v3 has no ragged_all_to_all and keeps the all_to_all).
-- Elsewhere: `EinsumDispatcher` while the one-hot dispatch tensor is small (at most
+- GPU (device 0's platform is "gpu", or a compile target whose device_kind names an
+  NVIDIA/AMD GPU), experts not split over devices: `RaggedDispatcher("ragged_dot")`,
+  jax's `lax.ragged_dot`, which XLA lowers natively to a grouped matmul there (no
+  tile padding, no capacity buffers); with experts split over devices GPU follows the
+  rules below. Not measured on a GPU yet.
+- Elsewhere (CPU): `EinsumDispatcher` while the one-hot dispatch tensor is small (at most
   `einsum_max_experts` experts and s x E x C <= `einsum_max_elements` per group);
   `RaggedDispatcher(backend="padded")` when the capacity buffers would hold more
   than `ragged_buffer_ratio` x the s x k choices (dropless routing, C up to s);
@@ -32,6 +37,7 @@ Gin: `MoeConfig.dispatcher = @AutoDispatcher()` (the default);
 `AutoDispatcher.einsum_max_elements = 0` never picks einsum.
 """
 import dataclasses
+from typing import Tuple
 
 import gin
 import jax
@@ -45,6 +51,18 @@ from openmoe_jax.moe.dispatch.ragged import RaggedDispatcher
 from openmoe_jax.moe.dispatch.ragged_all_to_all import RaggedAllToAllDispatcher
 from openmoe_jax.moe.dispatch.sort import SortDispatcher
 from openmoe_jax.moe.routers import Routing
+
+# device_kind prefixes of GPUs ("NVIDIA H100 80GB HBM3", "Tesla V100-SXM2-16GB",
+# "AMD Instinct MI300X"), for compile targets and faked backends in tests.
+GPU_KIND_PREFIXES: Tuple[str, ...] = ("NVIDIA", "Tesla", "AMD")
+
+
+def on_gpu() -> bool:
+  """Returns whether dispatch is traced for a GPU: the compile target's (or device
+  0's) device_kind names a GPU, or device 0 is a GPU and no TPU is targeted."""
+  if target.target_kind().startswith(GPU_KIND_PREFIXES):
+    return True
+  return jax.devices()[0].platform == "gpu" and not target.on_tpu()
 
 
 @gin.configurable
@@ -68,6 +86,8 @@ class AutoDispatcher:
       if dropless and (target.tpu_generation() or 0) >= 4:
         return RaggedAllToAllDispatcher(backend="pallas")
       return AllToAllDispatcher(buffer_dispatcher=SortDispatcher())
+    if on_gpu() and expert_split_size(jax.sharding.get_abstract_mesh()) <= 1:
+      return RaggedDispatcher("ragged_dot")
     if (num_experts <= self.einsum_max_experts
         and tokens_per_group * num_experts * capacity <= self.einsum_max_elements):
       return EinsumDispatcher()
