@@ -1,28 +1,47 @@
 """MoE layer forward+backward per dispatcher vs the dense gated MLP of equal active FLOPs.
 
-Usage: python benchmarks/moe_layer.py [--quick] [--json] [--runs N] [--dispatchers a,b]
+Usage: python benchmarks/moe_layer.py [--quick] [--json] [--rounds N] [--dispatchers a,b]
        python benchmarks/moe_layer.py --sweep [--json]   (scaling in tokens and in E)
 
 Each row times `jax.jit(value_and_grad)` of the MoE layer (router + dispatch +
-experts + combine; swiglu experts) on one batch: median of `--runs` runs after
-warm-up, next to a dense swiglu MLP of hidden width top_k x expert d_ff on all tokens,
-timed in the same process. Peak bytes: temp + argument bytes of the compiled
-program (`memory_analysis()`). `capacity_factor` counts per routed choice (MaxText's
-convention: buffers hold cf x tokens x top_k / E rows per expert; the library's
-`MoeConfig.capacity_factor_train` is per token, so it gets cf x top_k); dropless rows
-have capacity_factor None and no padding beyond the grouped matmul's tile.
+experts + combine; swiglu experts) on one batch against a dense swiglu MLP of hidden
+width top_k x expert d_ff on all tokens (the same useful FLOPs but the router's).
+Method (benchmarks/timing.py): every path of a shape is compiled first, then timed
+interleaved, `--rounds` rounds of one call each (dense, a, b, ..., dense, a, b, ...)
+after `--warmup` untimed rounds. Per path: `ms` is the median of its per-round
+times, `ms_min` / `ms_max` their spread (`dense_ms*` the baseline's);
+`ratio_to_dense` is the MEDIAN OF THE PER-ROUND RATIOS (a load change during the run
+hits both sides of a round, so it cancels), `ratio_to_dense_min` / `_max`
+the spread of the per-round ratios.
+`peak_fraction` (`dense_peak_fraction`) is the path's achieved FLOP/s, from its
+ANALYTIC useful FLOPs (`useful_flops`: 6 x tokens x matmul parameters a token goes
+through, top_k experts + router for MoE, flops.py's convention; the capacity paths
+count top_k although they drop some choices) over its median time, as a fraction of
+the fastest of two matmul peaks measured in the same run, one at the start
+(`peak_flops_start`) and one at the end (`peak_flops_end`) by
+`flops.measured_matmul_peak_flops` in the benchmark's dtype. `compiled_flops` is
+what XLA's cost analysis counts for the path (padding and one-hot dispatch included;
+None where the backend reports none). The load average (1, 5, 15 min) at the start
+and end goes in the header and in every JSON row: a ratio is only as good as the
+machine was quiet. A ratio under 1 means the dense baseline is not the fastest dense
+program, not that the MoE layer is free; the peak fraction tells which.
+Peak bytes: temp + argument bytes of the compiled program (`memory_analysis()`).
+`capacity_factor` counts per routed choice (MaxText's convention: buffers hold cf x
+tokens x top_k / E rows per expert; the library's `MoeConfig.capacity_factor_train`
+is per token, so it gets cf x top_k); dropless rows have capacity_factor None and no
+padding beyond the grouped matmul's tile. Rows are printed once the run (and the end
+peak) is done; progress goes to stderr.
 
-`--sweep` times the scaling instead: tokens 1k -> 16k at (d 512, f 512, E 64, k 2),
-then E 16 -> 256 at 4096 tokens (d 512, f 512, k 2); rows are named "tokens_sweep"
-/ "experts_sweep". Einsum rows whose one-hot dispatch tensor would exceed
-`--max_einsum_elements` are skipped (a note goes to stderr).
+`--sweep` times the scaling instead, same method: tokens 1k -> 16k at (d 512, f 512,
+E 64, k 2), then E 16 -> 256 at 4096 tokens (d 512, f 512, k 2); rows are named
+"tokens_sweep" / "experts_sweep". Einsum rows whose one-hot dispatch tensor would
+exceed `--max_einsum_elements` are skipped (a note goes to stderr).
 """
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
+from typing import Any, Dict, List, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -30,6 +49,8 @@ import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from benchmarks import timing  # noqa: E402
+from openmoe_jax import flops  # noqa: E402
 from openmoe_jax.config import MoeConfig  # noqa: E402
 from openmoe_jax.layers.mlp import Mlp  # noqa: E402
 from openmoe_jax.moe.dispatch import (AutoDispatcher, EinsumDispatcher,  # noqa: E402
@@ -73,26 +94,10 @@ def einsum_elements(shape) -> int:
   return tokens * experts * capacity
 
 
-def _time_and_memory(fn, *args, runs: int, warmup: int):
-  """Returns (median ms of jitted fn(*args), temp + argument bytes when compiled)."""
-  compiled = jax.jit(fn).lower(*args).compile()
-  mem = compiled.memory_analysis()
-  peak = None if mem is None else int(mem.temp_size_in_bytes
-                                      + mem.argument_size_in_bytes)
-  for _ in range(warmup):
-    jax.block_until_ready(compiled(*args))
-  times = []
-  for _ in range(runs):
-    start = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    times.append((time.perf_counter() - start) * 1e3)
-  return statistics.median(times), peak
-
-
-def _inputs(d_model: int, tokens: int):
-  """Returns (x [1, tokens, d], cotangent of the same shape)."""
-  x_btd = jax.random.normal(jax.random.PRNGKey(0), (1, tokens, d_model))
-  ct_btd = jax.random.normal(jax.random.PRNGKey(1), (1, tokens, d_model))
+def _inputs(d_model: int, tokens: int, dtype: Any = jnp.float32):
+  """Returns (x [1, tokens, d], cotangent of the same shape) in `dtype`."""
+  x_btd = jax.random.normal(jax.random.PRNGKey(0), (1, tokens, d_model), dtype)
+  ct_btd = jax.random.normal(jax.random.PRNGKey(1), (1, tokens, d_model), dtype)
   return x_btd, ct_btd
 
 
@@ -101,29 +106,23 @@ def _fwd_bwd(module, **kwargs):
   def loss(params, x_btd, ct_btd):
     y = module.apply(params, x_btd, **kwargs)
     y_btd = y[0] if isinstance(y, tuple) else y
-    return jnp.sum(y_btd.astype(jnp.float32) * ct_btd)
+    return jnp.sum(y_btd.astype(jnp.float32) * ct_btd.astype(jnp.float32))
   return jax.value_and_grad(loss, argnums=(0, 1))
 
 
-def dense_problem(shape):
+def dense_problem(shape, dtype: Any = jnp.float32):
   """Returns (loss_and_grads, params, x, ct) of the dense swiglu MLP of width
-  top_k x d_ff that `dense_ms` times."""
+  top_k x d_ff (float32 parameters, `dtype` compute and inputs)."""
   d_model, d_ff, _, top_k, tokens = shape
-  x_btd, ct_btd = _inputs(d_model, tokens)
-  mlp = Mlp("swiglu", top_k * d_ff)
+  x_btd, ct_btd = _inputs(d_model, tokens, dtype)
+  mlp = Mlp("swiglu", top_k * d_ff, dtype=dtype)
   params = nn.unbox(mlp.init(jax.random.PRNGKey(2), x_btd))
   return _fwd_bwd(mlp), params, x_btd, ct_btd
 
 
-def dense_ms(shape, runs: int = 5, warmup: int = 2):
-  """Returns (ms, peak bytes) of the dense swiglu MLP of width top_k x d_ff."""
-  fn, params, x_btd, ct_btd = dense_problem(shape)
-  return _time_and_memory(fn, params, x_btd, ct_btd, runs=runs, warmup=warmup)
-
-
-def moe_problem(shape, dispatcher: str):
+def moe_problem(shape, dispatcher: str, dtype: Any = jnp.float32):
   """Returns (loss_and_grads, params, x, ct) of the MoE layer of `shape` with
-  `dispatcher` that `bench_row` times: one group of all tokens, train mode."""
+  `dispatcher`: one group of all tokens, train mode, `dtype` compute and inputs."""
   d_model, d_ff, experts, top_k, tokens = shape
   engine, dropless = DISPATCHERS[dispatcher]
   cf = None if dropless else CAPACITY_FACTOR
@@ -131,23 +130,94 @@ def moe_problem(shape, dispatcher: str):
   cfg = MoeConfig(num_experts=experts, top_k=top_k, group_size=tokens,
                   capacity_factor_train=(cf or 1.0) * top_k, min_capacity=1,
                   router=router, dispatcher=engine)
-  x_btd, ct_btd = _inputs(d_model, tokens)
-  layer = MoeLayer(cfg, "swiglu", d_ff)
+  x_btd, ct_btd = _inputs(d_model, tokens, dtype)
+  layer = MoeLayer(cfg, "swiglu", d_ff, dtype=dtype)
   params = nn.unbox(layer.init(jax.random.PRNGKey(2), x_btd, train=True))
   return _fwd_bwd(layer, train=True), params, x_btd, ct_btd
 
 
-def bench_row(config: str, shape, dispatcher: str, dense: float, runs: int = 5,
-              warmup: int = 2):
-  """Returns one result row (dict) for the MoE layer of `shape` with `dispatcher`."""
+def useful_flops(shape, dense: bool) -> float:
+  """Returns the analytic fwd+bwd FLOPs of one step (flops.py's convention, 6 per
+  matmul parameter per token): the dense MLP of width top_k x d_ff, or top_k
+  experts of width d_ff plus the d x E router per token."""
   d_model, d_ff, experts, top_k, tokens = shape
-  cf = None if DISPATCHERS[dispatcher][1] else CAPACITY_FACTOR
-  fn, params, x_btd, ct_btd = moe_problem(shape, dispatcher)
-  ms, peak = _time_and_memory(fn, params, x_btd, ct_btd, runs=runs, warmup=warmup)
-  return {"config": config, "dispatcher": dispatcher, "tokens": tokens,
-          "experts": experts, "top_k": top_k, "d_model": d_model, "d_ff": d_ff,
-          "capacity_factor": cf, "ms": round(ms, 3), "dense_ms": round(dense, 3),
-          "ratio_to_dense": round(ms / dense, 3), "peak_bytes": peak}
+  if dense:
+    return 6.0 * tokens * flops.mlp_matmul_params("swiglu", d_model, top_k * d_ff)
+  per_token = (top_k * flops.mlp_matmul_params("swiglu", d_model, d_ff)
+               + d_model * experts)
+  return 6.0 * tokens * per_token
+
+
+def _same_tree(a, b) -> bool:
+  """Returns whether two pytrees have the same structure and leaf shapes."""
+  shapes = lambda t: jax.tree.map(lambda x: (x.shape, x.dtype), t)
+  return (jax.tree.structure(a) == jax.tree.structure(b)
+          and shapes(a) == shapes(b))
+
+
+def compile_paths(shape, dispatchers: Sequence[str], dtype: Any = jnp.float32):
+  """Returns {path: (call, peak bytes, compiled FLOPs)}, "dense" first then each
+  dispatcher: `call()` runs that path's compiled fwd+bwd once. MoE paths with the
+  same parameter shapes share one copy (same init key: same values)."""
+  fn, params, x_btd, ct_btd = dense_problem(shape, dtype)
+  compiled, peak, counted = timing.compile_fn(fn, params, x_btd, ct_btd)
+  paths = {"dense": (lambda c=compiled, p=params: c(p, x_btd, ct_btd), peak, counted)}
+  shared = None
+  for dispatcher in dispatchers:
+    fn, params, _, _ = moe_problem(shape, dispatcher, dtype)
+    if shared is not None and _same_tree(shared, params):
+      params = shared
+    shared = params
+    compiled, peak, counted = timing.compile_fn(fn, params, x_btd, ct_btd)
+    paths[dispatcher] = (lambda c=compiled, p=params: c(p, x_btd, ct_btd), peak,
+                         counted)
+  return paths
+
+
+def time_shape(config: str, shape, dispatchers: Sequence[str], rounds: int = 5,
+               warmup: int = 1, dtype: Any = jnp.float32) -> List[Dict[str, Any]]:
+  """Returns one row per dispatcher for `shape`, all paths and the dense baseline
+  timed interleaved (module docstring); rows lack the run-wide fields that
+  `finish_rows` adds (peaks, peak fractions, load averages)."""
+  d_model, d_ff, experts, top_k, tokens = shape
+  paths = compile_paths(shape, dispatchers, dtype)
+  times = timing.interleaved_ms({k: v[0] for k, v in paths.items()}, rounds, warmup)
+  dense = times.pop("dense")
+  rows = []
+  for dispatcher, ms in times.items():
+    cf = None if DISPATCHERS[dispatcher][1] else CAPACITY_FACTOR
+    ratios = timing.per_round_ratios(ms, dense)
+    rows.append({
+        "config": config, "dispatcher": dispatcher, "tokens": tokens,
+        "experts": experts, "top_k": top_k, "d_model": d_model, "d_ff": d_ff,
+        "capacity_factor": cf, "dtype": jnp.dtype(dtype).name, "rounds": rounds,
+        **timing.spread(ms, "ms"), **timing.spread(dense, "dense_ms"),
+        **timing.spread(ratios, "ratio_to_dense"),
+        "useful_flops": useful_flops(shape, dense=False),
+        "dense_useful_flops": useful_flops(shape, dense=True),
+        "flops_source": "analytic",
+        "compiled_flops": paths[dispatcher][2],
+        "dense_compiled_flops": paths["dense"][2],
+        "peak_bytes": paths[dispatcher][1],
+    })
+  return rows
+
+
+def finish_rows(rows: List[Dict[str, Any]], peak_start: float, peak_end: float,
+                load_start: Optional[List[float]],
+                load_end: Optional[List[float]]) -> List[Dict[str, Any]]:
+  """Returns `rows` with the run's matmul peaks and load averages and each path's
+  achieved FLOP/s as a fraction of the higher peak."""
+  peak = max(peak_start, peak_end)
+  for row in rows:
+    row.update({
+        "peak_fraction": round(timing.peak_fraction(
+            row["useful_flops"], row["ms"], peak), 4),
+        "dense_peak_fraction": round(timing.peak_fraction(
+            row["dense_useful_flops"], row["dense_ms"], peak), 4),
+        "peak_flops_start": peak_start, "peak_flops_end": peak_end,
+        "loadavg_start": load_start, "loadavg_end": load_end})
+  return rows
 
 
 def _print_row(row, as_json: bool):
@@ -157,8 +227,47 @@ def _print_row(row, as_json: bool):
     return
   peak = row["peak_bytes"] / 2**20 if row["peak_bytes"] else float("nan")
   print(f"{row['config']:20} {row['dispatcher']:24} {row['tokens']:6d} "
-        f"{row['experts']:4d} {str(row['capacity_factor']):>5} {row['ms']:9.2f} "
-        f"{row['dense_ms']:9.2f} {row['ratio_to_dense']:6.2f} {peak:9.1f}", flush=True)
+        f"{row['experts']:4d} {str(row['capacity_factor']):>5} "
+        f"{row['ms']:9.2f} [{row['ms_min']:.0f}-{row['ms_max']:.0f}] "
+        f"{row['dense_ms']:9.2f} {row['ratio_to_dense']:6.2f} "
+        f"[{row['ratio_to_dense_min']:.2f}-{row['ratio_to_dense_max']:.2f}] "
+        f"{row['peak_fraction']:6.1%} {row['dense_peak_fraction']:6.1%} {peak:9.1f}",
+        flush=True)
+
+
+def _header(peak_start: float, peak_end: float, load_start, load_end, rounds: int,
+            dtype: Any) -> str:
+  """Returns the table's header lines (run conditions, then column names)."""
+  return (f"# {jax.devices()[0].device_kind}, {jnp.dtype(dtype).name}, {rounds} "
+          f"interleaved rounds; matmul peak {peak_start / 1e9:.1f} GFLOP/s at start, "
+          f"{peak_end / 1e9:.1f} at end; load average {load_start} at start, "
+          f"{load_end} at end\n"
+          f"{'config':20} {'dispatcher':24} {'tokens':>6} {'E':>4} {'cf':>5} "
+          f"{'ms [min-max]':>15} {'dense_ms':>9} {'ratio [min-max]':>18} "
+          f"{'%peak':>6} {'dense%':>6} {'peak_MiB':>9}")
+
+
+def run(shapes, dispatchers: Sequence[str], rounds: int, warmup: int,
+        max_einsum_elements: int, dtype: Any = jnp.float32):
+  """Returns (rows, run info dict): every shape timed interleaved between a start
+  and an end matmul peak and load average."""
+  load_start, peak_start = timing.load_average(), timing.matmul_peak(dtype)
+  rows = []
+  for config, shape in shapes:
+    chosen = []
+    for dispatcher in dispatchers:
+      if dispatcher == "einsum" and einsum_elements(shape) > max_einsum_elements:
+        print(f"skip einsum at {config} {shape}: dispatch tensor of "
+              f"{einsum_elements(shape)} elements", file=sys.stderr)
+        continue
+      chosen.append(dispatcher)
+    print(f"timing {config} {shape}: dense, {', '.join(chosen)}", file=sys.stderr,
+          flush=True)
+    rows += time_shape(config, shape, chosen, rounds, warmup, dtype)
+  peak_end, load_end = timing.matmul_peak(dtype), timing.load_average()
+  info = {"peak_flops_start": peak_start, "peak_flops_end": peak_end,
+          "loadavg_start": load_start, "loadavg_end": load_end}
+  return finish_rows(rows, peak_start, peak_end, load_start, load_end), info
 
 
 def main(argv=None):
@@ -167,8 +276,10 @@ def main(argv=None):
   parser.add_argument("--sweep", action="store_true",
                       help="scaling sweep: tokens 1k-16k, then E 16-256")
   parser.add_argument("--json", action="store_true", help="one JSON object per row")
-  parser.add_argument("--runs", type=int, default=5)
-  parser.add_argument("--warmup", type=int, default=2)
+  parser.add_argument("--rounds", "--runs", dest="rounds", type=int, default=5,
+                      help="interleaved timed rounds (--runs: the old name)")
+  parser.add_argument("--warmup", type=int, default=1, help="untimed rounds")
+  parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   parser.add_argument("--configs", default=",".join(CONFIGS))
   parser.add_argument("--dispatchers", default=None,
                       help=f"from {sorted(DISPATCHERS)}")
@@ -181,18 +292,13 @@ def main(argv=None):
     shapes = [(c, CONFIGS[c][:4] + (QUICK_TOKENS,) if args.quick else CONFIGS[c])
               for c in args.configs.split(",")]
     dispatchers = args.dispatchers or ",".join(DEFAULT_DISPATCHERS)
+  rows, info = run(shapes, dispatchers.split(","), args.rounds, args.warmup,
+                   args.max_einsum_elements, jnp.dtype(args.dtype))
   if not args.json:
-    print(f"{'config':20} {'dispatcher':24} {'tokens':>6} {'E':>4} {'cf':>5} "
-          f"{'ms':>9} {'dense_ms':>9} {'ratio':>6} {'peak_MiB':>9}")
-  for config, shape in shapes:
-    dense, _ = dense_ms(shape, args.runs, args.warmup)
-    for dispatcher in dispatchers.split(","):
-      if dispatcher == "einsum" and einsum_elements(shape) > args.max_einsum_elements:
-        print(f"skip einsum at {config} {shape}: dispatch tensor of "
-              f"{einsum_elements(shape)} elements", file=sys.stderr)
-        continue
-      _print_row(bench_row(config, shape, dispatcher, dense, args.runs, args.warmup),
-                 args.json)
+    print(_header(info["peak_flops_start"], info["peak_flops_end"],
+                  info["loadavg_start"], info["loadavg_end"], args.rounds, args.dtype))
+  for row in rows:
+    _print_row(row, args.json)
 
 
 if __name__ == "__main__":

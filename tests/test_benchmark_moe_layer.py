@@ -11,7 +11,11 @@ import pytest
 
 PATH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "moe_layer.py"
 KEYS = {"config", "dispatcher", "tokens", "experts", "top_k", "capacity_factor", "ms",
-        "dense_ms", "ratio_to_dense", "peak_bytes"}
+        "ms_min", "ms_max", "dense_ms", "dense_ms_min", "dense_ms_max", "rounds",
+        "ratio_to_dense", "ratio_to_dense_min", "ratio_to_dense_max", "useful_flops",
+        "dense_useful_flops", "flops_source", "compiled_flops", "peak_fraction",
+        "dense_peak_fraction", "peak_flops_start", "peak_flops_end", "loadavg_start",
+        "loadavg_end", "peak_bytes"}
 # (d_model, d_ff, experts, top_k, tokens): 16 experts at a mean load of 8 choices and
 # 10 slots each, so the capacity paths drop choices.
 SHAPE = (16, 32, 16, 2, 64)
@@ -101,21 +105,64 @@ def test_dense_baseline_has_the_active_width_and_computes_a_swiglu_mlp(bench):
   np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dispatcher", ["sort", "ragged_padded_dropless"])
-def test_bench_row_smoke(bench, dispatcher):
-  """Smoke test: a row has its keys and the shape's values; timings and peak bytes
-  are machine-dependent, so only their sign is checked."""
+def test_time_shape_smoke(bench):
+  """Smoke test: rows have their keys and the shape's values; timings and peak bytes
+  are machine-dependent, so only their sign and their consistency are checked."""
   shape = (16, 32, 4, 2, 64)
-  dense, peak = bench.dense_ms(shape, runs=1, warmup=1)
-  assert dense > 0 and peak > 0
-  row = bench.bench_row("micro", shape, dispatcher, dense, runs=1, warmup=1)
-  assert KEYS <= set(row)
-  assert row["ms"] > 0 and row["peak_bytes"] > 0
-  assert (row["tokens"], row["experts"], row["top_k"], row["d_model"], row["d_ff"]) == (
-      64, 4, 2, 16, 32)
-  assert row["capacity_factor"] == (None if dispatcher.endswith("dropless")
-                                    else bench.CAPACITY_FACTOR)
-  assert row["ratio_to_dense"] == pytest.approx(row["ms"] / row["dense_ms"], rel=0.01)
+  dispatchers = ["sort", "ragged_padded_dropless"]
+  rows = bench.time_shape("micro", shape, dispatchers, rounds=3, warmup=1)
+  rows = bench.finish_rows(rows, 2e9, 1e9, [1.0, 2.0, 3.0], None)
+  assert [r["dispatcher"] for r in rows] == dispatchers
+  for row in rows:
+    assert KEYS <= set(row)
+    assert row["rounds"] == 3 and row["flops_source"] == "analytic"
+    assert 0 < row["ms_min"] <= row["ms"] <= row["ms_max"]
+    assert 0 < row["dense_ms_min"] <= row["dense_ms"] <= row["dense_ms_max"]
+    assert row["peak_bytes"] > 0
+    assert (row["tokens"], row["experts"], row["top_k"], row["d_model"], row["d_ff"]) == (
+        64, 4, 2, 16, 32)
+    assert row["capacity_factor"] == (None if row["dispatcher"].endswith("dropless")
+                                      else bench.CAPACITY_FACTOR)
+    assert (row["ratio_to_dense_min"] <= row["ratio_to_dense"]
+            <= row["ratio_to_dense_max"])
+    # Per-round ratios bracket the ratio of the extreme times.
+    assert row["ratio_to_dense_min"] <= row["ms_max"] / row["dense_ms_min"] + 1e-3
+    assert row["ratio_to_dense_max"] >= row["ms_min"] / row["dense_ms_max"] - 1e-3
+    # 6 x tokens x (k x 3 d f + d E) and 6 x tokens x 3 d (k f), counted by hand.
+    assert row["useful_flops"] == 6 * 64 * (2 * 3 * 16 * 32 + 16 * 4)
+    assert row["dense_useful_flops"] == 6 * 64 * 3 * 16 * 64
+    # Fractions of the higher of the two peaks.
+    assert row["peak_fraction"] == pytest.approx(
+        row["useful_flops"] / (row["ms"] * 1e-3) / 2e9, rel=1e-2)
+    assert row["dense_peak_fraction"] == pytest.approx(
+        row["dense_useful_flops"] / (row["dense_ms"] * 1e-3) / 2e9, rel=1e-2)
+    assert (row["peak_flops_start"], row["peak_flops_end"]) == (2e9, 1e9)
+    assert (row["loadavg_start"], row["loadavg_end"]) == ([1.0, 2.0, 3.0], None)
+
+
+def test_paths_are_timed_interleaved_and_ratios_taken_per_round(bench, monkeypatch):
+  """Rounds alternate the paths (dense, a, b, dense, a, b, ...) and the ratio is the
+  median of per-round ratios: a load spike in one round moves no ratio."""
+  order = []
+  calls = {name: (lambda n=name: order.append(n)) for name in ("dense", "a", "b")}
+  times = bench.timing.interleaved_ms(calls, rounds=3, warmup=1)
+  assert order == ["dense", "a", "b"] * 4
+  assert all(len(t) == 3 and min(t) >= 0 for t in times.values())
+  # Round 2 ran 10x slower for every path: per-round ratios stay 2.
+  dense, slow = [1.0, 1.0, 10.0, 1.0], [2.0, 2.0, 20.0, 2.0]
+  ratios = bench.timing.per_round_ratios(slow, dense)
+  assert ratios == [2.0] * 4
+  assert bench.timing.spread(ratios, "r") == {"r": 2.0, "r_min": 2.0, "r_max": 2.0}
+  # Load rose after round 0's dense call and fell before round 2's: the ratio of the
+  # medians would say 10x, the median of the per-round ratios says 2x.
+  ratios = bench.timing.per_round_ratios([2.0, 10.0, 10.0], [1.0, 1.0, 5.0])
+  assert bench.timing.spread(ratios, "r")["r"] == 2.0
+  assert bench.timing.spread([3.0, 1.0, 2.0, 10.0], "ms") == {
+      "ms": 2.5, "ms_min": 1.0, "ms_max": 10.0}
+  clock = iter([0.0, 0.001, 0.0, 0.003, 0.0, 0.002, 0.0, 0.006])
+  monkeypatch.setattr(bench.timing.time, "perf_counter", lambda: next(clock))
+  times = bench.timing.interleaved_ms({"dense": lambda: 0, "a": lambda: 0}, 2, 0)
+  assert times == {"dense": pytest.approx([1.0, 2.0]), "a": pytest.approx([3.0, 6.0])}
 
 
 def test_sweep_prints_json_rows(bench, monkeypatch, capsys):
@@ -126,11 +173,12 @@ def test_sweep_prints_json_rows(bench, monkeypatch, capsys):
   monkeypatch.setattr(bench, "SWEEP_BASE", (16, 32, 4, 2, 64))
   monkeypatch.setattr(bench, "SWEEP_TOKENS", (32,))
   monkeypatch.setattr(bench, "SWEEP_EXPERTS", (8,))
-  bench.main(["--sweep", "--json", "--runs", "1", "--warmup", "0",
+  monkeypatch.setattr(bench.timing, "matmul_peak", lambda dtype: 1e9)
+  bench.main(["--sweep", "--json", "--rounds", "2", "--warmup", "0",
               "--dispatchers", "einsum,sort", "--max_einsum_elements", "0"])
   out = capsys.readouterr()
   rows = [json.loads(line) for line in out.out.splitlines()]
-  assert all(KEYS <= set(row) for row in rows)
+  assert all(KEYS <= set(row) and row["rounds"] == 2 for row in rows)
   assert [(r["config"], r["dispatcher"], r["tokens"], r["experts"]) for r in rows] == [
       ("tokens_sweep", "sort", 32, 4), ("experts_sweep", "sort", 64, 8)]
   assert out.err.count("skip einsum") == 2
