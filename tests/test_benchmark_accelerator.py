@@ -49,6 +49,8 @@ def test_tiny_run_writes_one_json_with_every_section(tmp_path):
   assert 0 < train["mfu_measured_peak"] < 1
   assert train["peak_flops_spec"] is None and train["mfu_spec_peak"] is None
   assert train["parameters"] > 0 and train["loss"] > 0
+  # 64 tokens, E 4, top-2: the CPU's pick for a small one-hot tensor.
+  assert train["dispatcher"].startswith("AutoDispatcher -> EinsumDispatcher(")
 
 
 def test_model_1b_has_about_a_billion_parameters_and_gpu_peaks():
