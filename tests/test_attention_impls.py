@@ -174,7 +174,8 @@ def test_auto_attention_picks_per_platform():
   with compile_target("TPU v5"):
     assert isinstance(auto.choose(q(256, 128), q(256, 128)), SplashAttention)
     assert isinstance(auto.choose(q(200, 128), q(200, 128)), XlaDotProductAttention)
-    assert isinstance(auto.choose(q(256, 64), q(256, 64)), XlaDotProductAttention)
+    assert isinstance(auto.choose(q(256, 64), q(256, 64)), SplashAttention)
+    assert isinstance(auto.choose(q(256, 96), q(256, 96)), XlaDotProductAttention)
   assert isinstance(attention_impl_of(None), AutoAttention)
   assert isinstance(attention_impl_of(PlainAttention()), PlainAttention)
 
@@ -206,13 +207,15 @@ def test_gin_binds_the_implementation():
 
 
 def _tpu_attention_temp_bytes(devices, impl, t) -> int:
-  """Returns the per-device temporary bytes of jit(grad) of `impl` on a [8, t, 4,
-  128] bf16 causal packed batch split over the devices, compiled for their TPU;
+  """Returns the per-device temporary bytes of jit(grad) of `impl` on a bf16 causal
+  packed batch [2 x devices, t, 4 heads, 128] split over the devices, compiled for
+  their TPU;
   asserts that splash compiled to Mosaic kernels (no silent fallback)."""
   mesh = partitioning.make_mesh(devices=devices, data=len(devices))
   sharding = partitioning.logical_sharding(mesh, "batch")
-  q = jax.ShapeDtypeStruct((8, t, 4, 128), jnp.bfloat16, sharding=sharding)
-  seg = jax.ShapeDtypeStruct((8, t), jnp.int32, sharding=sharding)
+  b = 2 * len(devices)
+  q = jax.ShapeDtypeStruct((b, t, 4, 128), jnp.bfloat16, sharding=sharding)
+  seg = jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=sharding)
 
   def loss(q, k, v, seg):
     out = impl(q, k, v, AttentionMask.build("causal", seg), 1.0)
@@ -225,14 +228,16 @@ def _tpu_attention_temp_bytes(devices, impl, t) -> int:
   return compiled.memory_analysis().temp_size_in_bytes
 
 
-def test_splash_compiles_for_a_tpu_topology_and_saves_memory():
+@pytest.mark.parametrize("topology", ["v3:2x2", "v5p:2x2x1"])
+def test_splash_compiles_for_a_tpu_topology_and_saves_memory(topology):
+  # v3: bf16 inputs are upcast (Mosaic there has no bf16 matmuls).
   pytest.importorskip("libtpu")
-  devices = plan.topology_devices("v5p:2x2x1")
-  splash = _tpu_attention_temp_bytes(devices, SplashAttention(), 2048)
-  plain = _tpu_attention_temp_bytes(devices, PlainAttention(), 2048)
-  # Plain holds [2, 4, 2048, 2048] float32 logits (and probabilities) per device;
+  devices = plan.topology_devices(topology)
+  splash = _tpu_attention_temp_bytes(devices, SplashAttention(), 4096)
+  plain = _tpu_attention_temp_bytes(devices, PlainAttention(), 4096)
+  # Plain holds [2, 4, 4096, 4096] float32 logits (and probabilities) per device;
   # splash only blocks of them (its temporaries are mostly q, k, v and gradients).
-  logits_bytes = 2 * 4 * 2048 * 2048 * 4
+  logits_bytes = 2 * 4 * 4096 * 4096 * 4
   assert plain > logits_bytes > 4 * splash
 
 

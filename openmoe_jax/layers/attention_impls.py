@@ -106,8 +106,9 @@ class SplashAttention:
   """The Pallas splash attention kernel (jax.experimental.pallas.ops.tpu).
 
   Causal or bidirectional masks, with packed segments as splash segment ids, over
-  a multiple of 128 tokens. `block_size`: the kernel's q and kv
-  blocks (the gcd with the length). `interpret`: None compiles the kernel on TPU
+  a multiple of 128 tokens (bf16 inputs upcast to float32 on TPU v3, whose Mosaic
+  has no bf16 matmuls). `block_size`: the kernel's q and kv blocks (the gcd with
+  the length). `interpret`: None compiles the kernel on TPU
   and runs Pallas interpret mode elsewhere (slow; for tests). Prefix-LM and
   explicit masks and other lengths (model init traces short dummy inputs) go to
   `fallback` (None: XlaDotProductAttention("xla")), logged. On a
@@ -142,6 +143,9 @@ class SplashAttention:
                    else f"a {mask.kind}", q_bthk.shape[1])
       return (self.fallback or XlaDotProductAttention("xla"))(
           q_bthk, k_bthk, v_bthk, mask, scale)
+    out_dtype = v_bthk.dtype
+    if not target.bf16_matmul_ok():  # Mosaic on TPU v3 has no bf16 matmuls
+      q_bthk, k_bthk, v_bthk = (x.astype(jnp.float32) for x in (q_bthk, k_bthk, v_bthk))
     if scale != 1.0:
       q_bthk = (q_bthk * scale).astype(q_bthk.dtype)
     args = (q_bthk, k_bthk, v_bthk)
@@ -150,12 +154,12 @@ class SplashAttention:
     local = lambda *a: self._local(mask.kind == "causal", *a)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
-      return local(*args)
+      return local(*args).astype(out_dtype)
     spec_bthk = _spec(mesh, q_bthk.shape, ("batch", None, "act_heads", None))
     spec_bt = PartitionSpec(*spec_bthk[:2])
     in_specs = (spec_bthk,) * 3 + ((spec_bt,) if len(args) == 4 else ())
     return jax.shard_map(local, in_specs=in_specs, out_specs=spec_bthk,
-                         check_vma=False)(*args)
+                         check_vma=False)(*args).astype(out_dtype)
 
   def _local(self, causal: bool, q_bthk, k_bthk, v_bthk, segment_ids_bt=None):
     """Returns out_bthk: the kernel on this device's (or the only) arrays."""
@@ -200,14 +204,14 @@ def _spec(mesh, shape, logical_names) -> PartitionSpec:
 class AutoAttention:
   """The default: `SplashAttention()` on TPU (the attached one or the compile
   target) for self-attention over a multiple of 128 tokens with head_dim a
-  multiple of 128, else `XlaDotProductAttention()` (cuDNN on GPU where it can,
+  multiple of 64 (compiled for v3 to v6e at 64 and 128), else `XlaDotProductAttention()` (cuDNN on GPU where it can,
   XLA elsewhere). Splash hands prefix-LM masks to XLA."""
 
   def choose(self, q_bthk: jax.Array, k_bthk: jax.Array) -> Any:
     """Returns the implementation for these queries and keys."""
     t, head_dim = q_bthk.shape[1], q_bthk.shape[-1]
     if (target.on_tpu() and t % SPLASH_MULTIPLE == 0 and k_bthk.shape[1] == t
-        and head_dim % SPLASH_MULTIPLE == 0):
+        and head_dim % 64 == 0):
       return SplashAttention()
     return XlaDotProductAttention()
 
