@@ -106,6 +106,8 @@ def plan(topology: str, batch_size: int, sequence_length: int = 2048,
   XLA's cost analysis counts the body of a loop once, so `compiled_flops`
   under-counts scanned layers and microbatches by their trip counts; compile with
   `ModelConfig.scan_layers=False` and one microbatch to compare like with like.
+  Nor does it see inside Pallas kernels (splash attention, the default on TPU; the
+  grouped matmul).
   """
   for name, value in (("BATCH_SIZE", batch_size), ("SEQUENCE_LENGTH", sequence_length),
                       ("plan.microbatches", microbatches)):
