@@ -117,6 +117,11 @@ class ModelConfig:
   # False: attention logits are not scaled by 1/sqrt(head_dim) (T5 / flaxformer /
   # OpenMoE v1, which fold the factor into the query initialisation instead).
   scale_attention_logits: bool = True
+  # The attention implementation (layers/attention_impls.py), chosen in gin:
+  # @AutoAttention() (None, the default, means it: splash on TPU, jax's
+  # dot_product_attention elsewhere, cuDNN on GPU), @PlainAttention(),
+  # @XlaDotProductAttention(), @SplashAttention().
+  attention_impl: Any = None
 
   def __post_init__(self):
     _check_types(self)

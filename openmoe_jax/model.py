@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from openmoe_jax.config import ModelConfig
-from openmoe_jax.layers.attention import Attention, make_attention_mask
+from openmoe_jax.layers.attention import Attention, AttentionMask
 from openmoe_jax.layers.embeddings import Embed
 from openmoe_jax.layers.mlp import Mlp
 from openmoe_jax.layers.norms import RMSNorm
@@ -116,15 +116,15 @@ class Block(nn.Module):
   train: bool
 
   @nn.compact
-  def __call__(self, x_btd, positions_bt, mask_b1tt):
+  def __call__(self, x_btd, positions_bt, mask):
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
     norm = lambda name: RMSNorm(cfg.norm_eps, dtype, name=name)
     h_btd = norm("pre_attention_norm")(x_btd)
     x_btd = x_btd + Attention(cfg.num_heads, cfg.head_dim, cfg.rope_base, dtype,
                               cfg.qk_norm, cfg.norm_eps, cfg.scale_attention_logits,
-                              name="attention")(
-                                  h_btd, positions_bt, mask_b1tt)
+                              cfg.attention_impl, name="attention")(
+                                  h_btd, positions_bt, mask)
     aux = None
     if self.sparse:
       moe = MoeLayer(cfg.moe, cfg.mlp_kind, cfg.expert_d_ff, dtype, name="moe")
@@ -145,11 +145,11 @@ class Unit(nn.Module):
   train: bool
 
   @nn.compact
-  def __call__(self, x_btd, positions_bt, mask_b1tt):
+  def __call__(self, x_btd, positions_bt, mask):
     auxes = []
     for i, sparse in enumerate(self.pattern):
       x_btd, aux = Block(self.config, sparse, self.train, name=f"block_{i}")(
-          x_btd, positions_bt, mask_b1tt)
+          x_btd, positions_bt, mask)
       if aux is not None:
         auxes.append(aux)
     stacked = jax.tree.map(lambda *a: jnp.stack(a), *auxes) if auxes else {}
@@ -174,7 +174,7 @@ class Decoder(nn.Module):
     return nn.remat(Unit, policy=_REMAT_POLICIES[cfg.remat_policy],
                     prevent_cse=not scanned)
 
-  def _segment(self, index, unit, repeats, train, x_btd, positions_bt, mask_b1tt):
+  def _segment(self, index, unit, repeats, train, x_btd, positions_bt, mask):
     cfg = self.config
     name = f"layers_{index}"
     if cfg.scan_layers:
@@ -184,11 +184,11 @@ class Decoder(nn.Module):
           split_rngs={"params": True, "jitter": True},
           in_axes=(nn.broadcast, nn.broadcast),
           length=repeats, metadata_params={nn.PARTITION_NAME: "layers"})
-      return scanned(cfg, unit, train, name=name)(x_btd, positions_bt, mask_b1tt)
+      return scanned(cfg, unit, train, name=name)(x_btd, positions_bt, mask)
     auxes = []
     for r in range(repeats):
       x_btd, aux = self._unit_cls(False)(cfg, unit, train, name=f"{name}_{r}")(
-          x_btd, positions_bt, mask_b1tt)
+          x_btd, positions_bt, mask)
       auxes.append(aux)
     return x_btd, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
 
@@ -205,13 +205,13 @@ class Decoder(nn.Module):
     b, t = tokens_bt.shape
     if positions_bt is None:
       positions_bt = jnp.broadcast_to(jnp.arange(t), (b, t))
-    mask_b1tt = make_attention_mask(attention_kind, t, segment_ids_bt, prefix_bt, b)
+    mask = AttentionMask.build(attention_kind, segment_ids_bt, prefix_bt)
     x_btd = Embed(cfg.vocab_size, cfg.d_model, cfg.emb_init_std, dtype,
                   name="embed")(tokens_bt)
     unit_length = scan_unit_length(cfg)
     moe_aux = []
     for i, (unit, repeats) in enumerate(layer_segments(cfg.sparse_layers(), unit_length)):
-      x_btd, aux = self._segment(i, unit, repeats, train, x_btd, positions_bt, mask_b1tt)
+      x_btd, aux = self._segment(i, unit, repeats, train, x_btd, positions_bt, mask)
       if aux:
         moe_aux.append(jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), aux))
     x_btd = RMSNorm(cfg.norm_eps, dtype, name="final_norm")(x_btd)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from openmoe_jax import param_count, partitioning
 from openmoe_jax.config import ModelConfig
 from openmoe_jax.kernels import target
+from openmoe_jax.layers.attention_impls import AutoAttention, attention_impl_of
 from openmoe_jax.model import Decoder
 from openmoe_jax.moe.layer import dispatcher_of
 from openmoe_jax.objectives import CausalLm
@@ -82,6 +83,18 @@ def analytic_train_flops(cfg: ModelConfig, batch_size: int, sequence_length: int
   return float(tokens * (6 * matmul_params + attention))
 
 
+def attention_name(cfg: ModelConfig, sequence_length: int) -> str:
+  """Returns the name of the attention implementation the model runs at this
+  length on the current target (`AutoAttention -> SplashAttention` for the default)."""
+  impl = attention_impl_of(cfg.attention_impl)
+  name = type(impl).__name__
+  if isinstance(impl, AutoAttention):
+    q = jax.ShapeDtypeStruct((1, sequence_length, cfg.num_heads, cfg.head_dim),
+                             jnp.dtype(cfg.dtype))
+    name += " -> " + type(impl.choose(q, q)).__name__
+  return name
+
+
 @gin.configurable
 def plan(topology: str, batch_size: int, sequence_length: int = 2048,
          microbatches: int = 1, optimizer: Any = None,
@@ -93,6 +106,8 @@ def plan(topology: str, batch_size: int, sequence_length: int = 2048,
   XLA's cost analysis counts the body of a loop once, so `compiled_flops`
   under-counts scanned layers and microbatches by their trip counts; compile with
   `ModelConfig.scan_layers=False` and one microbatch to compare like with like.
+  Nor does it see inside Pallas kernels (splash attention, the default on TPU; the
+  grouped matmul).
   """
   for name, value in (("BATCH_SIZE", batch_size), ("SEQUENCE_LENGTH", sequence_length),
                       ("plan.microbatches", microbatches)):
@@ -121,6 +136,7 @@ def plan(topology: str, batch_size: int, sequence_length: int = 2048,
   # compile_target: trace-time choices (AutoDispatcher, kernel dtypes) follow the
   # TPU being compiled for, not this CPU.
   with partitioning.activate(mesh), target.compile_target(devices[0]):
+    attention = attention_name(cfg, sequence_length)
     _, abstract, state_sh = init_train_state(model, optimizer, mesh, key,
                                              sequence_length)
     batch_sh = partitioning.batch_sharding(mesh)
@@ -145,6 +161,7 @@ def plan(topology: str, batch_size: int, sequence_length: int = 2048,
       # The TPU compiler refuses programs that cannot fit; that is the answer.
       return {"topology": topology, "device_kind": kind, "num_chips": num_chips,
               "num_devices": len(devices), "mesh": dict(mesh.shape),
+              "attention": attention,
               "batch_size": batch_size, "sequence_length": sequence_length,
               "hbm_bytes_per_chip": hbm_per_chip, "hbm_bytes_per_device": hbm_per_device,
               "fits": False, "compiler_message": str(e).splitlines()[0][:500]}
@@ -157,7 +174,7 @@ def plan(topology: str, batch_size: int, sequence_length: int = 2048,
   report = {
       "topology": topology, "device_kind": kind, "num_chips": num_chips,
       "num_devices": len(devices), "mesh": dict(mesh.shape),
-      "dispatcher": type(dispatcher_of(cfg.moe)).__name__,
+      "dispatcher": type(dispatcher_of(cfg.moe)).__name__, "attention": attention,
       "batch_size": batch_size, "sequence_length": sequence_length,
       "hbm_bytes_per_chip": hbm_per_chip, "hbm_bytes_per_device": hbm_per_device,
       "argument_bytes": memory.argument_size_in_bytes,
@@ -178,12 +195,13 @@ def format_report(report: Dict[str, Any]) -> str:
   """Returns the report as readable lines."""
   gib = lambda b: f"{b / GIB:.2f} GiB"
   if "compiler_message" in report:
-    return (f"{report['topology']}: mesh {report['mesh']}, batch {report['batch_size']} "
+    return (f"{report['topology']}: mesh {report['mesh']}, attention "
+            f"{report['attention']}, batch {report['batch_size']} "
             f"x {report['sequence_length']}: DOES NOT FIT ({report['compiler_message']})")
   lines = [
       f"{report['topology']} ({report['device_kind']}): {report['num_chips']} chips, "
       f"{report['num_devices']} devices, mesh {report['mesh']}, MoE dispatch "
-      f"{report['dispatcher']}",
+      f"{report['dispatcher']}, attention {report['attention']}",
       f"batch {report['batch_size']} x {report['sequence_length']} tokens",
       f"per device: arguments {gib(report['argument_bytes'])}, temp "
       f"{gib(report['temp_bytes'])}, outputs {gib(report['output_bytes'])} (aliased "

@@ -30,7 +30,9 @@ PROGRAM = flags.Program(
      "--gin.SEQUENCE_LENGTH=256 --json"],
     gin=True,
     details="Batch and sequence length come from the gin macros BATCH_SIZE (default 8) "
-    "and SEQUENCE_LENGTH (default 2048).\nExit codes: 0 fits, 3 DOES NOT FIT (the "
+    "and SEQUENCE_LENGTH (default 2048). The attention implementation is a gin "
+    "binding, e.g. --gin.ModelConfig.attention_impl=@PlainAttention() (default "
+    "AutoAttention: splash attention on TPU).\nExit codes: 0 fits, 3 DOES NOT FIT (the "
     "step needs more memory than the chips have), 2 bad flags or configuration.")
 PROGRAM.add("--topology", required=True,
             help="TPU topology, e.g. v5p:2x2x1, v5e:2x2, v4:2x2x2, v6e:4x4")

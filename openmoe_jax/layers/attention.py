@@ -1,43 +1,18 @@
-"""Multi-head self-attention with RoPE and a mask builder for packed sequences.
-
-Mask kinds: "causal" (decoder LM), "prefix" (bidirectional inside an inputs prefix,
-causal elsewhere: prefix LM / UL2) and "bidirectional" (masked diffusion). Every kind
-respects packing: tokens of different segments never attend to each other.
+"""Multi-head self-attention with RoPE; the attention itself is a gin-chosen
+implementation (layers/attention_impls.py), the mask a description of its kind,
+segments and prefix (layers/attention_mask.py, re-exported here).
 """
-from typing import Optional
+from typing import Any, Union
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from openmoe_jax.config import ATTENTION_KINDS
+from openmoe_jax.layers.attention_impls import PlainAttention, attention_impl_of
+from openmoe_jax.layers.attention_mask import (AttentionMask,  # noqa: F401
+                                               make_attention_mask)
 from openmoe_jax.layers.embeddings import apply_rope
 from openmoe_jax.layers.norms import RMSNorm
-
-
-def make_attention_mask(kind: str, length: int,
-                        segment_ids_bt: Optional[jax.Array] = None,
-                        prefix_bt: Optional[jax.Array] = None,
-                        batch: int = 1) -> jax.Array:
-  """Returns a bool mask [b, 1, t_q, t_k]: True where query may attend to key."""
-  if kind not in ATTENTION_KINDS:
-    raise ValueError(f"unknown attention kind {kind!r}; choose one of {ATTENTION_KINDS}")
-  idx = jnp.arange(length)
-  causal_tt = idx[:, None] >= idx[None, :]
-  if kind == "causal":
-    mask_btt = jnp.broadcast_to(causal_tt, (batch, length, length))
-  elif kind == "bidirectional":
-    mask_btt = jnp.ones((batch, length, length), bool)
-  else:
-    if prefix_bt is None:
-      raise ValueError("attention kind 'prefix' needs prefix flags "
-                       "(decoder_causal_attention)")
-    prefix_bt = prefix_bt.astype(bool)
-    both_prefix_btt = prefix_bt[:, :, None] & prefix_bt[:, None, :]
-    mask_btt = causal_tt[None] | both_prefix_btt
-  if segment_ids_bt is not None:
-    mask_btt = mask_btt & (segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :])
-  return mask_btt[:, None]
 
 
 class Attention(nn.Module):
@@ -45,9 +20,12 @@ class Attention(nn.Module):
 
   Decoding: when `apply` makes the "cache" collection mutable, keys and values are
   appended to a cache (created at the length of the first such call) and queries
-  attend causally to everything cached so far; `mask_b1tt` is then ignored (one
-  sequence per row). `qk_norm`: RMSNorm over each head's queries and keys before
-  RoPE (OpenMoE 2 / OLMo-style QK-norm), eps `norm_eps`. `scale_logits`: multiply
+  attend causally to everything cached so far with `PlainAttention`; `mask` is then
+  ignored (one sequence per row). `mask`: an `AttentionMask`, or a bool array
+  [b, 1, t, t] (an explicit mask). `impl`: the attention implementation
+  (`ModelConfig.attention_impl`; None: `AutoAttention()`). `qk_norm`: RMSNorm over
+  each head's queries and keys before RoPE (OpenMoE 2 / OLMo-style QK-norm), eps
+  `norm_eps`. `scale_logits`: multiply
   the logits by 1/sqrt(head_dim) (the usual choice); False computes unscaled
   logits as T5, flaxformer and OpenMoE v1 do, and folds the factor into the query
   initialisation instead (normal((d * head_dim)^-1/2)), so training from scratch
@@ -61,6 +39,7 @@ class Attention(nn.Module):
   qk_norm: bool = False
   norm_eps: float = 1e-6
   scale_logits: bool = True
+  impl: Any = None
 
   def _proj(self, name, x_btd):
     d = x_btd.shape[-1]
@@ -75,7 +54,7 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x_btd: jax.Array, positions_bt: jax.Array,
-               mask_b1tt: jax.Array) -> jax.Array:
+               mask: Union[AttentionMask, jax.Array]) -> jax.Array:
     q_bthk, k_bthk = self._proj("query", x_btd), self._proj("key", x_btd)
     if self.qk_norm:
       q_bthk = RMSNorm(self.norm_eps, self.dtype, "kv", name="query_norm")(q_bthk)
@@ -85,15 +64,15 @@ class Attention(nn.Module):
     v_bthk = self._proj("value", x_btd)
     q_bthk = nn.with_logical_constraint(
         q_bthk, ("batch", "length", "act_heads", "act_kv"))
+    if not isinstance(mask, AttentionMask):
+      mask = AttentionMask.explicit(mask)
+    scale = self.head_dim ** -0.5 if self.scale_logits else 1.0
     if self.is_mutable_collection("cache") and not self.is_initializing():
-      k_bthk, v_bthk, mask_b1tt = self._update_cache(k_bthk, v_bthk)
-    scores_bhqk = jnp.einsum("bqhk,bshk->bhqs", q_bthk, k_bthk,
-                             preferred_element_type=jnp.float32)
-    if self.scale_logits:
-      scores_bhqk = scores_bhqk * (self.head_dim ** -0.5)
-    scores_bhqk = jnp.where(mask_b1tt, scores_bhqk, jnp.finfo(jnp.float32).min)
-    probs_bhqk = jax.nn.softmax(scores_bhqk, axis=-1).astype(self.dtype)
-    out_bthk = jnp.einsum("bhqs,bshk->bqhk", probs_bhqk, v_bthk)
+      k_bthk, v_bthk, mask_b1tl = self._update_cache(k_bthk, v_bthk)
+      out_bthk = PlainAttention()(q_bthk, k_bthk, v_bthk,
+                                  AttentionMask.explicit(mask_b1tl), scale)
+    else:
+      out_bthk = attention_impl_of(self.impl)(q_bthk, k_bthk, v_bthk, mask, scale)
     inner = self.num_heads * self.head_dim
     wo = self.param(
         "out", nn.with_logical_partitioning(
