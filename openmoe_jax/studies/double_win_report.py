@@ -13,7 +13,7 @@ its evidence and no claim beyond what was measured.
 import json
 import math
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import matplotlib
 
