@@ -174,6 +174,9 @@ def test_gains_crossover_and_answers_on_hand_made_curves():
   assert "(a) MoE helps DLM more than AR (final checkpoints): yes" in text
   assert "(b) dense: DLM beats AR between epoch 4.0 and 6.0" in text
   assert "AR dense validation NLL turns up" in text
+  # Best against best: AR dense 4.6 (epoch 4) vs DLM dense 4.5 (epoch 8).
+  assert ("(b) dense, best against best (AR with early stopping): AR 4.6000 at epoch "
+          "4.0, DLM bound 4.5000 ± 0.0100 at epoch 8.0: DLM lower by 0.1000") in text
   # Within noise: no claim either way; never ahead: no crossover.
   close = _results([5.0, 4.0], [5.5, 4.5], [4.9, 3.9], [5.4, 4.41], se=0.05)
   text = "\n".join(double_win_report.answers(close))

@@ -119,6 +119,14 @@ def answers(results: Dict) -> List[str]:
           f"{last['stderr']:.4f} nats/token; the DLM number is an upper bound, so "
           "its true NLL is lower still).")
   for model in ("dense", "moe"):
+    ar, dlm = (_best(results["arms"][f"{o}_{model}"]) for o in ("ar", "dlm"))
+    winner = "AR" if ar["nll"] < dlm["nll"] else "DLM"
+    lines.append(
+        f"(b) {model}, best against best (AR with early stopping): AR {ar['nll']:.4f} "
+        f"at epoch {ar['epochs']:.1f}, DLM bound {dlm['nll']:.4f} ± {dlm['stderr']:.4f}"
+        f" at epoch {dlm['epochs']:.1f}: {winner} lower by "
+        f"{abs(ar['nll'] - dlm['nll']):.4f} nats/token.")
+  for model in ("dense", "moe"):
     t = ar_turn_up(results["arms"][f"ar_{model}"])
     turned = "turns up" if t["rise"] > 0 else "does not turn up"
     lines.append(
