@@ -236,7 +236,9 @@ def write_report(results: Dict, output: str) -> Dict[str, str]:
       f" documents), repeated; {data['validation_tokens']:,} held-out tokens from "
       f"{data['validation_documents']} documents that never enter training.",
       f"- Models: {s['dense_gin']} and {s['moe_gin']}; run file {s['run_gin']}; extra "
-      f"bindings: {s['bindings'] or 'none'}; backend {results['backend']}; "
+      f"bindings: {s['bindings'] or 'none'}; backend {results['backend']}; training "
+      f"{sum(a['seconds'] for a in results['arms'].values()) / 60:.1f} min summed over "
+      f"the arms (evaluation and routing analysis not included); this invocation "
       f"{results['seconds'] / 60:.1f} min.",
       "", "```", format_table(results), "```", "",
       "![held-out NLL against epochs](double_win.png)", "", "## Answers", "",
