@@ -291,7 +291,6 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
   A step whose loss or gradient norm is not finite leaves the parameters and the
   optimizer state unchanged (`train/skipped_steps`); `max_consecutive_skipped_steps`
   of them in a row stop the run with `train_loop.TrainingDivergedError`.
-
   `peak_flops_per_sec`: a device's peak for `mfu` (None: TPU spec or measured; flops.py)
   """
   maybe_initialize_distributed(distributed)

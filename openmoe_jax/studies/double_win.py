@@ -263,8 +263,7 @@ def run_study(settings: StudySettings, output: str,
   data = prepare_data(settings, output, say)
   _configure(settings, ARMS[0], [])
   batch, length = run_loader.query("train.batch_size"), run_loader.query("train.sequence_length")
-  rows_per_step = batch
-  epochs_per_step = rows_per_step / max(data.train_rows, 1)
+  epochs_per_step = batch / max(data.train_rows, 1)
   say(f"data: {data.train_tokens:,} unique training tokens in {data.train_documents} "
       f"documents ({data.train_rows} rows of {length}); {data.validation_tokens:,} "
       f"held-out tokens; {settings.steps} steps x {batch} rows = "
