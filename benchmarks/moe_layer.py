@@ -53,8 +53,9 @@ from benchmarks import timing  # noqa: E402
 from openmoe_jax import flops  # noqa: E402
 from openmoe_jax.config import MoeConfig  # noqa: E402
 from openmoe_jax.layers.mlp import Mlp  # noqa: E402
-from openmoe_jax.moe.dispatch import (AutoDispatcher, EinsumDispatcher,  # noqa: E402
-                                      RaggedDispatcher, SortDispatcher)
+from openmoe_jax.moe.dispatch import (AutoDispatcher, BlockDispatcher,  # noqa: E402
+                                      EinsumDispatcher, RaggedDispatcher,
+                                      SortDispatcher)
 from openmoe_jax.moe.layer import MoeLayer  # noqa: E402
 from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter  # noqa: E402
 
@@ -71,10 +72,13 @@ DISPATCHERS = {  # name: (dispatcher, dropless)
     "ragged_padded_cf": (RaggedDispatcher("padded"), False),
     "ragged_padded_dropless": (RaggedDispatcher("padded"), True),
     "ragged_dot_dropless": (RaggedDispatcher("ragged_dot"), True),
+    "block_cf": (BlockDispatcher(), False),
+    "block_dropless": (BlockDispatcher(), True),
     "auto": (AutoDispatcher(), False),
 }
-DEFAULT_DISPATCHERS = ("einsum", "sort", "ragged_padded_cf", "ragged_padded_dropless")
-SWEEP_DISPATCHERS = ("einsum", "sort", "ragged_padded_dropless")
+DEFAULT_DISPATCHERS = ("einsum", "sort", "ragged_padded_cf", "block_cf",
+                       "ragged_padded_dropless", "block_dropless")
+SWEEP_DISPATCHERS = ("einsum", "sort", "block_cf", "block_dropless")
 SWEEP_BASE = (512, 512, 64, 2, 4096)  # (d_model, d_ff, experts, top_k, tokens)
 SWEEP_TOKENS = (1024, 2048, 4096, 8192, 16384)  # at the base's E
 SWEEP_EXPERTS = (16, 32, 64, 128, 256)  # at the base's tokens

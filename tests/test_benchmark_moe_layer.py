@@ -73,12 +73,12 @@ def _oracle(params, x_btd, ct_btd, top_k, capacity):
 
 
 @pytest.mark.parametrize("dispatcher", [
-    "einsum", "sort", "ragged_padded_cf", "auto", "ragged_padded_dropless",
-    "ragged_dot_dropless"])
+    "einsum", "sort", "ragged_padded_cf", "block_cf", "auto", "ragged_padded_dropless",
+    "ragged_dot_dropless", "block_dropless"])
 def test_each_timed_path_computes_the_oracle_moe_layer(bench, dispatcher):
   assert set(bench.DISPATCHERS) == {
-      "einsum", "sort", "ragged_padded_cf", "auto", "ragged_padded_dropless",
-      "ragged_dot_dropless"}
+      "einsum", "sort", "ragged_padded_cf", "block_cf", "auto", "ragged_padded_dropless",
+      "ragged_dot_dropless", "block_dropless"}
   d_model, d_ff, experts, top_k, tokens = SHAPE
   fn, params, x_btd, ct_btd = bench.moe_problem(SHAPE, dispatcher)
   dropless = dispatcher.endswith("dropless")

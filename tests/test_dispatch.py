@@ -1,4 +1,5 @@
-"""Sort and ragged dispatchers against the einsum dispatcher through the MoE layer."""
+"""Sort, ragged and block dispatchers against the einsum dispatcher through the MoE
+layer."""
 import flax.linen as nn
 import gin
 import jax
@@ -8,8 +9,8 @@ import pytest
 
 from openmoe_jax.config import ModelConfig, MoeConfig
 from openmoe_jax.model import Decoder
-from openmoe_jax.moe.dispatch import (AutoDispatcher, EinsumDispatcher, RaggedDispatcher,
-                                      SortDispatcher)
+from openmoe_jax.moe.dispatch import (AutoDispatcher, BlockDispatcher, EinsumDispatcher,
+                                      RaggedDispatcher, SortDispatcher)
 from openmoe_jax.moe.layer import MoeLayer, dispatcher_of
 from openmoe_jax.moe.routers_expert_choice import ExpertChoiceRouter
 from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter
@@ -49,28 +50,37 @@ TOKEN_CASES = [  # (experts, top_k, capacity factor)
     (4, 1, 0.5), (4, 2, 1.0), (4, 3, 0.25), (16, 2, 1.25), (16, 3, 0.5), (16, 1, 2.0)]
 
 
+# The block dispatcher with its default chunks (one 128-row chunk runs past every
+# expert) and with chunks of 4 / 1 rows (all remainder sizes).
+CAPACITY_ENGINES = [SortDispatcher(), BlockDispatcher(), BlockDispatcher(big=4, small=1)]
+
+
+@pytest.mark.parametrize("engine", CAPACITY_ENGINES)
 @pytest.mark.parametrize("num_experts,top_k,cf", TOKEN_CASES)
-def test_sort_equals_einsum_token_choice(num_experts, top_k, cf):
+def test_sort_and_block_equal_einsum_token_choice(num_experts, top_k, cf, engine):
   cfg = MoeConfig(num_experts=num_experts, top_k=top_k, group_size=16,
                   capacity_factor_train=cf, min_capacity=1, router_init_std=2.0)
-  aux, _ = _compare(cfg, SortDispatcher(), seed=num_experts + top_k)
+  aux, _ = _compare(cfg, engine, seed=num_experts + top_k)
   if cf <= 0.5:
     assert float(aux["drop_fraction"]) > 0.3, "heavy overflow expected"
 
 
+@pytest.mark.parametrize("engine", CAPACITY_ENGINES)
 @pytest.mark.parametrize("level", ["batch", "sequence"])
-def test_sort_equals_einsum_expert_choice(level):
+def test_sort_and_block_equal_einsum_expert_choice(level, engine):
   cfg = MoeConfig(num_experts=4, top_k=2, group_size=32, capacity_factor_train=1.0,
                   router=ExpertChoiceRouter(level=level), router_init_std=2.0)
-  _compare(cfg, SortDispatcher())
+  _compare(cfg, engine)
 
 
-@pytest.mark.parametrize("backend", ["padded", "ragged_dot"])
+@pytest.mark.parametrize("engine", [RaggedDispatcher("padded", tile=4),
+                                    RaggedDispatcher("ragged_dot", tile=4),
+                                    BlockDispatcher(), BlockDispatcher(big=4, small=2)])
 @pytest.mark.parametrize("num_experts,top_k", [(4, 2), (16, 3), (4, 1)])
-def test_ragged_equals_dropless_einsum(backend, num_experts, top_k):
+def test_ragged_and_block_equal_dropless_einsum(engine, num_experts, top_k):
   cfg = MoeConfig(num_experts=num_experts, top_k=top_k, group_size=16,
                   router=TokenChoiceRouter(dropless=True), router_init_std=2.0)
-  aux, _ = _compare(cfg, RaggedDispatcher(backend, tile=4), seed=top_k)
+  aux, _ = _compare(cfg, engine, seed=top_k)
   assert float(aux["drop_fraction"]) == 0
 
 
@@ -117,7 +127,7 @@ def test_dispatchers_agree_inside_the_scanned_decoder():
     return jax.jit(jax.value_and_grad(loss))(params)
 
   want = loss_and_grads(EinsumDispatcher())
-  for dispatcher in (SortDispatcher(), RaggedDispatcher()):
+  for dispatcher in (SortDispatcher(), RaggedDispatcher(), BlockDispatcher()):
     got = loss_and_grads(dispatcher)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

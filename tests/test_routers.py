@@ -294,3 +294,25 @@ def test_gate_functions_renormalisation_and_scaling_hand_computed():
   with pytest.raises(ValueError, match="MoeConfig.gate"):  # when the layer is built
     MoeLayer(MoeConfig(gate="relu"), "swiglu", 8).init(
         jax.random.PRNGKey(0), jnp.zeros((1, 4, 8)), train=False)
+
+
+@pytest.mark.parametrize("priority", ["choice_major", "position_major"])
+def test_large_groups_count_slots_by_sort_like_a_loop(priority):
+  """Above SLOTS_ONE_HOT_MAX (s k E entries per group) slots come from a sort; they
+  are the counts a plain loop over the served order gives."""
+  from openmoe_jax.moe import routers
+  g, s, k, num_experts = 2, 2048, 2, 300  # 1.2M one-hot entries per group
+  assert s * k * num_experts > routers.SLOTS_ONE_HOT_MAX
+  probs = jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(3), (g, s, num_experts)))
+  routing = top_k_capacity_routing(probs, k, capacity=20, priority=priority)
+  expert_gsk = np.asarray(routing.expert_index)
+  want = np.zeros(expert_gsk.shape, int)
+  for group in range(g):
+    seen = np.zeros(num_experts, int)
+    served = ([(t, j) for j in range(k) for t in range(s)] if priority == "choice_major"
+              else [(t, j) for t in range(s) for j in range(k)])
+    for t, j in served:
+      want[group, t, j] = seen[expert_gsk[group, t, j]]
+      seen[expert_gsk[group, t, j]] += 1
+  np.testing.assert_array_equal(routing.slot, want)
+  np.testing.assert_array_equal(routing.kept, want < 20)

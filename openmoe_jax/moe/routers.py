@@ -88,19 +88,40 @@ def _check_priority(priority: str, batch_prioritized: bool) -> None:
                      "priority='choice_major' for BPR, or drop batch_prioritized)")
 
 
+# Above this many one-hot entries (choices x E per group) slots come from a sort.
+SLOTS_ONE_HOT_MAX = 1 << 20
+
+
 def _slots(expert_gsk: jax.Array, num_experts: int, rank_first: bool) -> jax.Array:
   """Returns each choice's int32 slot [g, s, k] in its expert's buffer: the number
-  of choices for that expert served before it, choice rank first or token first."""
+  of choices for that expert served before it, choice rank first or token first.
+
+  Small groups count with a cumulative sum of one-hots (O(s k E)); large ones with
+  a stable sort by expert (O(s k log(s k))): a choice's slot is its place in the
+  sorted order minus its expert's first place. Both give the same integers."""
   g, s, k = expert_gsk.shape
   if rank_first:
     expert_gsk = jnp.swapaxes(expert_gsk, 1, 2)
-  onehot_gne = jax.nn.one_hot(expert_gsk, num_experts, dtype=jnp.int32).reshape(
-      g, s * k, num_experts)
-  before_gne = jnp.cumsum(onehot_gne, axis=1) - 1
-  slot_gn = jnp.sum(before_gne * onehot_gne, axis=-1)
+  expert_gn = expert_gsk.reshape(g, s * k)
+  if s * k * num_experts <= SLOTS_ONE_HOT_MAX:
+    onehot_gne = jax.nn.one_hot(expert_gn, num_experts, dtype=jnp.int32)
+    before_gne = jnp.cumsum(onehot_gne, axis=1) - 1
+    slot_gn = jnp.sum(before_gne * onehot_gne, axis=-1)
+  else:
+    slot_gn = jax.vmap(lambda e_n: _sorted_slots(e_n, num_experts))(expert_gn)
   if rank_first:
     return jnp.swapaxes(slot_gn.reshape(g, k, s), 1, 2).astype(jnp.int32)
   return slot_gn.reshape(g, s, k).astype(jnp.int32)
+
+
+def _sorted_slots(expert_n: jax.Array, num_experts: int) -> jax.Array:
+  """Returns [n]: how many earlier entries of `expert_n` name the same expert."""
+  n = expert_n.shape[0]
+  order_n = jnp.argsort(expert_n, stable=True)
+  place_n = jnp.zeros((n,), jnp.int32).at[order_n].set(
+      jnp.arange(n, dtype=jnp.int32), unique_indices=True)
+  count_e = jnp.bincount(expert_n, length=num_experts)
+  return place_n - (jnp.cumsum(count_e) - count_e)[expert_n]
 
 
 def routing_stats(routing: Routing, probs_gse: jax.Array) -> Dict[str, jax.Array]:

@@ -16,20 +16,23 @@
   tile padding, no capacity buffers); with experts split over devices GPU follows the
   rules below. Not measured on a GPU yet.
 - Elsewhere (CPU): `EinsumDispatcher` while the one-hot dispatch tensor is small (at most
-  `einsum_max_experts` experts and s x E x C <= `einsum_max_elements` per group);
+  `einsum_max_experts` experts and s x E x C <= `einsum_max_elements` per group),
+  else `BlockDispatcher` (capacity and dropless routing alike). When a mesh splits
+  the experts over devices (GSPMD expert parallelism, e.g. the emulated meshes of
+  the tests), `SortDispatcher`, whose buffers carry the expert sharding, or
   `RaggedDispatcher(backend="padded")` when the capacity buffers would hold more
-  than `ragged_buffer_ratio` x the s x k choices (dropless routing, C up to s);
-  else `SortDispatcher`.
+  than `ragged_buffer_ratio` x the s x k choices (dropless routing, C up to s).
 
-Why those thresholds (benchmarks/moe_layer.py, fwd+bwd on the shared 2-core CPU,
-capacity factor 1.25 per choice, so rough): the one-hot einsums cost O(s E C d) and
-pay off only while that tensor is small. Sort took 0.56x einsum's time at 1024
-tokens, E 8 (s E C = 2.6M), 0.41x at 1024 tokens, E 16 (2.6M), 0.52x at 4096 tokens,
-E 16 (42M) and about 1/6 at E 64 and 256; at 512 tokens, E 16 (0.65M) einsum was
-faster (158 vs 188 ms), and at the quickstart's 256 tokens, E 8 (0.16M) the two
-were within the noise of the loaded machine, where einsum keeps the quickstart's
-numerics. The padded ragged path was faster than sort in one of four small configs
-and slower in three, with 1.5-2x the memory, so sort serves the rest.
+Why those thresholds (benchmarks/moe_layer.py, fwd+bwd on a 2-core CPU, capacity
+factor 1.25 per choice): the one-hot einsums cost O(s E C d) and pay off only while
+that tensor is small. Sort took 0.56x einsum's time at 1024 tokens, E 8 (s E C =
+2.6M), 0.41x at 1024 tokens, E 16 (2.6M), 0.52x at 4096 tokens, E 16 (42M) and about
+1/6 at E 64 and 256; at 512 tokens, E 16 (0.65M) einsum was faster (158 vs 188 ms),
+and at the quickstart's 256 tokens, E 8 (0.16M) the two were within the noise, where
+einsum keeps the quickstart's numerics. The block path computes only the kept
+choices (no empty capacity slots) in large row chunks: at 4096 tokens it took
+0.99x / 0.97x / 0.88x of sort's time at (E 16, k 2) / (E 64, k 2) / (E 256, k 8),
+and 0.6-0.7x of the padded ragged path's for dropless routing (README table).
 Every choice serves exactly the kept choices of the routing, so the drop decisions
 do not depend on the pick; the numerics differ only in summation order.
 
@@ -45,6 +48,7 @@ import jax
 from openmoe_jax.kernels import target
 from openmoe_jax.moe.dispatch.all_to_all import AllToAllDispatcher
 from openmoe_jax.moe.dispatch.base import Dispatcher, ExpertWeights
+from openmoe_jax.moe.dispatch.block import BlockDispatcher
 from openmoe_jax.moe.dispatch.einsum import EinsumDispatcher
 from openmoe_jax.moe.dispatch.primitives import expert_split_size
 from openmoe_jax.moe.dispatch.ragged import RaggedDispatcher
@@ -91,6 +95,8 @@ class AutoDispatcher:
     if (num_experts <= self.einsum_max_experts
         and tokens_per_group * num_experts * capacity <= self.einsum_max_elements):
       return EinsumDispatcher()
+    if expert_split_size(jax.sharding.get_abstract_mesh()) <= 1:
+      return BlockDispatcher()
     if dropless:
       return RaggedDispatcher(backend="padded")
     return SortDispatcher()

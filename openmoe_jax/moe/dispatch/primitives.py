@@ -32,6 +32,14 @@ def auto_tile(num_rows: int, num_experts: int) -> int:
   return min(max(1 << (mean.bit_length() - 1), 8), 128)
 
 
+def max_kept_rows(routing: Routing, num_tokens: int, num_experts: int) -> int:
+  """Returns the static bound on kept (token, option) rows of `num_tokens` tokens
+  (all groups): every option of every token, or every expert's capacity in every
+  group, whichever is fewer."""
+  num_groups, _, k = routing.expert_index.shape
+  return min(num_tokens * k, num_groups * num_experts * routing.capacity)
+
+
 def sort_by_expert(routing: Routing, num_experts: int) -> Tuple[jax.Array, jax.Array]:
   """Returns (order_m, counts_e): the (token, option) rows m = s' * k + j of all
   groups, kept ones sorted by expert (stable; unkept ones last), and the number of

@@ -12,7 +12,8 @@ from openmoe_jax.kernels import permute
 from openmoe_jax.kernels.grouped_matmul import grouped_matmul
 from openmoe_jax.moe.dispatch.base import ExpertWeights, expert_mlp_grouped
 from openmoe_jax.moe.dispatch.primitives import (auto_tile, check_backend, combine_rows,
-                                                 group_spec, sort_by_expert)
+                                                 group_spec, max_kept_rows,
+                                                 sort_by_expert)
 from openmoe_jax.moe.routers import Routing
 
 
@@ -64,7 +65,7 @@ class RaggedDispatcher:
     g, s, d = x_gsd.shape
     k = routing.expert_index.shape[-1]
     num_experts = weights.num_experts
-    num_rows = min(g * s * k, g * num_experts * routing.capacity)
+    num_rows = max_kept_rows(routing, g * s, num_experts)
     order_m, group_sizes_e = sort_by_expert(routing, num_experts)
     order_r = order_m[:num_rows]
     x_nd = x_gsd.reshape(g * s, d)

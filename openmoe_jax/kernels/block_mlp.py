@@ -1,0 +1,180 @@
+"""Chunked expert MLP: each expert's whole gated MLP over its contiguous rows, in
+row chunks sized for the CPU's matmul, forward and a hand-written backward.
+
+`chunked_expert_mlp(x_pd, wi_0, wi_1, wo, layout, chunks, kind)` returns y [P, d]
+where expert e owns rows [start_e[e], start_e[e] + rows_e[e]) (experts in order,
+no padding between them) and P leaves `chunks.big` spare rows past the last expert.
+It is the CPU engine of `BlockDispatcher` (moe/dispatch/block.py).
+
+How the rows are cut (`ChunkSizes(big, small)`): an expert's rows go through the
+MLP in chunks of `big` rows while at least `big` remain; the rest, rounded up to
+`small`, takes one more `big` chunk when over big / 2, else chunks of big / 2,
+big / 4, ..., `small` rows (each size at most once: the binary digits of the
+rest). A matmul of 16-32 rows runs at about half the speed of one of 128 rows on
+a CPU (the weight is packed per product), so few, large products win; padding
+every expert to a multiple of a large tile would waste up to that tile per expert.
+A chunk may run past its expert's last row: those rows belong to the next experts
+(or the spare rows), are computed with this expert's weights and written, and then
+overwritten when their own expert's chunks run, since experts run in order. The
+backward does the same and zeroes the output cotangent of such rows, so they add
+nothing to this expert's weight gradients.
+
+Each expert's weights are sliced once (outer loop over experts), the products of a
+chunk (wi_0, wi_1, the gate, wo) run back to back on rows in cache, the forward
+keeps the hidden activations for the backward, and the weight gradients accumulate
+in a per-expert [d, f] carry written once.
+"""
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from openmoe_jax.layers.mlp import gated_hidden
+
+
+class ChunkSizes(NamedTuple):
+  """Rows per product: `big` for the bulk, down to `small` (powers of two)."""
+
+  big: int = 128
+  small: int = 16
+
+
+class ExpertRows(NamedTuple):
+  """Expert e owns rows [start_e[e], start_e[e] + rows_e[e]) (int32 [E] each)."""
+
+  start_e: jax.Array
+  rows_e: jax.Array
+
+
+def expert_rows(rows_e: jax.Array) -> ExpertRows:
+  """Returns the layout of experts holding `rows_e` rows each, back to back."""
+  rows_e = rows_e.astype(jnp.int32)
+  return ExpertRows(jnp.cumsum(rows_e) - rows_e, rows_e)
+
+
+def _dot(a, b, contract):
+  """Returns the float32-accumulated product of a and b over dims `contract`."""
+  return jax.lax.dot_general(a, b, (contract, ((), ())),
+                             preferred_element_type=jnp.float32)
+
+
+def _chunk_plan(sizes: ChunkSizes):
+  """Returns the remainder chunk sizes, largest first: big/2, big/4, ..., small."""
+  plan, size = [], sizes.big // 2
+  while size >= sizes.small:
+    plan.append(size)
+    size //= 2
+  return plan
+
+
+def _for_chunks(start, rows, sizes: ChunkSizes, step, state):
+  """Runs state = step(size, row, state) over the chunks of rows [start, start +
+  rows) (module docstring) in row order; returns the final state. Chunks that may
+  or may not run are loops of 0 or 1 trips, not conditionals: a loop updates its
+  carry in place, where XLA's conditionals copy the large row buffers."""
+  big = sizes.big
+
+  def run(size, first_row, count, state):
+    return jax.lax.fori_loop(
+        0, count, lambda i, st: step(size, first_row + i * size, st), state)
+
+  full = rows // big
+  rest = (rows - full * big + sizes.small - 1) // sizes.small * sizes.small
+  row = start + full * big
+  state = run(big, start, full + (rest > big // 2), state)
+  rest = jnp.where(rest > big // 2, 0, rest)
+  for size in _chunk_plan(sizes):
+    take = (rest & size) > 0
+    state = run(size, row, take.astype(jnp.int32), state)
+    row = row + jnp.where(take, size, 0)
+  return state
+
+
+def _forward(x_nd, source_p, wi_0, wi_1, wo, layout, sizes, kind):
+  """Returns (y_pd, h0_pf, h1_pf): every expert's MLP on its rows, and the hidden
+  activations the backward reads."""
+  p, d = source_p.shape[0], x_nd.shape[1]
+  state = (jnp.zeros((p, d), x_nd.dtype), jnp.zeros((p, wi_0.shape[-1]), x_nd.dtype),
+           jnp.zeros((p, wi_1.shape[-1]), x_nd.dtype))
+
+  def expert(e, state):
+    w0, w1, w2 = wi_0[e], wi_1[e], wo[e]
+
+    def step(size, row, state):
+      y_pd, h0_pf, h1_pf = state
+      x_td = x_nd[jax.lax.dynamic_slice_in_dim(source_p, row, size)]
+      h0 = _dot(x_td, w0, ((1,), (0,))).astype(x_nd.dtype)
+      h1 = _dot(x_td, w1, ((1,), (0,))).astype(x_nd.dtype)
+      y_td = _dot(gated_hidden(kind, h0, h1), w2, ((1,), (0,))).astype(x_nd.dtype)
+      put = lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v, row, 0)
+      return put(y_pd, y_td), put(h0_pf, h0), put(h1_pf, h1)
+
+    return _for_chunks(layout.start_e[e], layout.rows_e[e], sizes, step, state)
+
+  return jax.lax.fori_loop(0, wo.shape[0], expert, state)
+
+
+def _backward(x_nd, source_p, h0_pf, h1_pf, dy_pd, wi_0, wi_1, wo, layout, sizes,
+              kind):
+  """Returns (dx_nd, dwi_0, dwi_1, dwo)."""
+  def expert(dx_nd, expert_xs):
+    w0, w1, w2, start, rows = expert_xs
+    end = start + rows
+
+    def step(size, row, inner):
+      dx_nd, g0, g1, g2 = inner
+      take = lambda a: jax.lax.dynamic_slice_in_dim(a, row, size)
+      source_t = take(source_p)
+      x_td, h0, h1 = x_nd[source_t], take(h0_pf), take(h1_pf)
+      mine_t = row + jnp.arange(size) < end  # rows past the expert's: no gradient
+      dy_td = jnp.where(mine_t[:, None], take(dy_pd), 0)
+      a_tf, gate_vjp = jax.vjp(functools.partial(gated_hidden, kind), h0, h1)
+      g2 = g2 + _dot(a_tf, dy_td, ((0,), (0,)))
+      dh0, dh1 = gate_vjp(_dot(dy_td, w2, ((1,), (1,))).astype(dy_td.dtype))
+      g0 = g0 + _dot(x_td, dh0, ((0,), (0,)))
+      g1 = g1 + _dot(x_td, dh1, ((0,), (0,)))
+      dx_td = _dot(dh0, w0, ((1,), (1,))) + _dot(dh1, w1, ((1,), (1,)))
+      return dx_nd.at[source_t].add(dx_td.astype(dx_nd.dtype)), g0, g1, g2
+
+    zeros = tuple(jnp.zeros(w.shape, jnp.float32) for w in (w0, w1, w2))
+    dx_nd, *expert_grads = _for_chunks(start, rows, sizes, step, (dx_nd,) + zeros)
+    return dx_nd, tuple(g.astype(w.dtype) for g, w in zip(expert_grads, (w0, w1, w2)))
+
+  dx_nd, grads = jax.lax.scan(expert, jnp.zeros_like(x_nd),
+                              (wi_0, wi_1, wo, layout.start_e, layout.rows_e))
+  return (dx_nd,) + tuple(grads)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _chunked_mlp(x_nd, source_p, wi_0, wi_1, wo, layout, sizes, kind):
+  return _forward(x_nd, source_p, wi_0, wi_1, wo, layout, sizes, kind)[0]
+
+
+def _chunked_mlp_fwd(x_nd, source_p, wi_0, wi_1, wo, layout, sizes, kind):
+  y_pd, h0_pf, h1_pf = _forward(x_nd, source_p, wi_0, wi_1, wo, layout, sizes, kind)
+  return y_pd, (x_nd, source_p, h0_pf, h1_pf, wi_0, wi_1, wo, layout)
+
+
+def _chunked_mlp_bwd(sizes, kind, res, dy_pd):
+  x_nd, source_p, h0_pf, h1_pf, wi_0, wi_1, wo, layout = res
+  dx_nd, dwi_0, dwi_1, dwo = _backward(x_nd, source_p, h0_pf, h1_pf,
+                                       dy_pd.astype(x_nd.dtype), wi_0, wi_1, wo,
+                                       layout, sizes, kind)
+  no_grad = lambda tree: jax.tree.map(
+      lambda a: jnp.zeros(a.shape, jax.dtypes.float0), tree)
+  return dx_nd, no_grad(source_p), dwi_0, dwi_1, dwo, no_grad(layout)
+
+
+_chunked_mlp.defvjp(_chunked_mlp_fwd, _chunked_mlp_bwd)
+
+
+def chunked_expert_mlp(x_nd: jax.Array, source_p: jax.Array, wi_0: jax.Array,
+                       wi_1: jax.Array, wo: jax.Array, layout: ExpertRows,
+                       sizes: ChunkSizes, kind: str) -> jax.Array:
+  """Returns y [P, d]: row p is token x_nd[source_p[p]] through the gated MLP of
+  the expert that owns row p (wi_0 [E, d, F0], wi_1 [E, d, F], wo [E, F, d]).
+  source_p must hold `sizes.big` spare rows past the last expert's (pointing at
+  any token, e.g. a zero row); the output's rows outside every expert's range are
+  unspecified."""
+  return _chunked_mlp(x_nd, source_p, wi_0, wi_1, wo, layout, sizes, kind)
