@@ -1,10 +1,12 @@
 """Chunked expert MLP: each expert's whole gated MLP over its contiguous rows, in
 row chunks sized for the CPU's matmul, forward and a hand-written backward.
 
-`chunked_expert_mlp(x_pd, wi_0, wi_1, wo, layout, chunks, kind)` returns y [P, d]
-where expert e owns rows [start_e[e], start_e[e] + rows_e[e]) (experts in order,
-no padding between them) and P leaves `chunks.big` spare rows past the last expert.
-It is the CPU engine of `BlockDispatcher` (moe/dispatch/block.py).
+`chunked_expert_ffn(x_nd, source_p, gate_p, wi_0, wi_1, wo, layout, sizes, kind)`
+is dispatch, experts and combine in one loop: row p reads token source_p[p], goes
+through the MLP of the expert that owns it (expert e owns rows [start_e[e],
+start_e[e] + rows_e[e]), experts in order, no padding between them, `sizes.big`
+spare rows past the last one) and is added to its token's output weighted by
+gate_p[p]. It is the CPU engine of `BlockDispatcher` (moe/dispatch/block.py).
 
 How the rows are cut (`ChunkSizes(big, small)`): an expert's rows go through the
 MLP in chunks of `big` rows while at least `big` remain; the rest, rounded up to
@@ -14,15 +16,19 @@ rest). A matmul of 16-32 rows runs at about half the speed of one of 128 rows on
 a CPU (the weight is packed per product), so few, large products win; padding
 every expert to a multiple of a large tile would waste up to that tile per expert.
 A chunk may run past its expert's last row: those rows belong to the next experts
-(or the spare rows), are computed with this expert's weights and written, and then
-overwritten when their own expert's chunks run, since experts run in order. The
-backward does the same and zeroes the output cotangent of such rows, so they add
-nothing to this expert's weight gradients.
+(or the spare rows), are computed with this expert's weights, written (then
+overwritten when their own expert's chunks run, since experts run in order) but
+get a zero gate, so they add nothing to any token. The backward does the same and
+zeroes their output cotangent, so they add nothing to this expert's gradients.
 
-Each expert's weights are sliced once (outer loop over experts), the products of a
-chunk (wi_0, wi_1, the gate, wo) run back to back on rows in cache, the forward
-keeps the hidden activations for the backward, and the weight gradients accumulate
-in a per-expert [d, f] carry written once.
+Each expert's weights are sliced once (outer loop over experts); a chunk gathers its
+token rows, runs the products (wi_0, wi_1, the gate, wo) back to back on rows in
+cache and scatter-adds its gate-weighted outputs to the tokens, so no [rows, d]
+copy of the inputs and no [tokens, k, d] gather of the outputs exists. The forward
+keeps the rows' outputs and hidden activations for the backward, which gathers each
+chunk's output cotangent from the tokens, gives the gates their gradient (output
+row . cotangent), scatter-adds the input gradient to the tokens, and accumulates the
+weight gradients in a per-expert [d, f] carry written once.
 """
 import functools
 from typing import NamedTuple
@@ -91,90 +97,108 @@ def _for_chunks(start, rows, sizes: ChunkSizes, step, state):
   return state
 
 
-def _forward(x_nd, source_p, wi_0, wi_1, wo, layout, sizes, kind):
-  """Returns (y_pd, h0_pf, h1_pf): every expert's MLP on its rows, and the hidden
-  activations the backward reads."""
+def _forward(x_nd, source_p, gate_p, wi_0, wi_1, wo, layout, sizes, kind):
+  """Returns (out_nd, y_pd, h0_pf, h1_pf): the gate-weighted sum of each token's
+  rows, every row's expert output and the hidden activations the backward reads."""
   p, d = source_p.shape[0], x_nd.shape[1]
-  state = (jnp.zeros((p, d), x_nd.dtype), jnp.zeros((p, wi_0.shape[-1]), x_nd.dtype),
+  state = (jnp.zeros_like(x_nd), jnp.zeros((p, d), x_nd.dtype),
+           jnp.zeros((p, wi_0.shape[-1]), x_nd.dtype),
            jnp.zeros((p, wi_1.shape[-1]), x_nd.dtype))
 
   def expert(e, state):
     w0, w1, w2 = wi_0[e], wi_1[e], wo[e]
+    end = layout.start_e[e] + layout.rows_e[e]
 
     def step(size, row, state):
-      y_pd, h0_pf, h1_pf = state
-      x_td = x_nd[jax.lax.dynamic_slice_in_dim(source_p, row, size)]
+      out_nd, y_pd, h0_pf, h1_pf = state
+      source_t = jax.lax.dynamic_slice_in_dim(source_p, row, size)
+      x_td = x_nd[source_t]
       h0 = _dot(x_td, w0, ((1,), (0,))).astype(x_nd.dtype)
       h1 = _dot(x_td, w1, ((1,), (0,))).astype(x_nd.dtype)
       y_td = _dot(gated_hidden(kind, h0, h1), w2, ((1,), (0,))).astype(x_nd.dtype)
+      # Rows past the expert's are added by their own expert.
+      gate_t = jnp.where(row + jnp.arange(size) < end,
+                         jax.lax.dynamic_slice_in_dim(gate_p, row, size), 0)
+      out_nd = out_nd.at[source_t].add(y_td * gate_t[:, None].astype(y_td.dtype))
       put = lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v, row, 0)
-      return put(y_pd, y_td), put(h0_pf, h0), put(h1_pf, h1)
+      return out_nd, put(y_pd, y_td), put(h0_pf, h0), put(h1_pf, h1)
 
-    return _for_chunks(layout.start_e[e], layout.rows_e[e], sizes, step, state)
+    return _for_chunks(layout.start_e[e], end - layout.start_e[e], sizes, step, state)
 
   return jax.lax.fori_loop(0, wo.shape[0], expert, state)
 
 
-def _backward(x_nd, source_p, h0_pf, h1_pf, dy_pd, wi_0, wi_1, wo, layout, sizes,
-              kind):
-  """Returns (dx_nd, dwi_0, dwi_1, dwo)."""
-  def expert(dx_nd, expert_xs):
+def _backward(x_nd, source_p, gate_p, y_pd, h0_pf, h1_pf, dout_nd, wi_0, wi_1, wo,
+              layout, sizes, kind):
+  """Returns (dx_nd, dgate_p, dwi_0, dwi_1, dwo)."""
+  def expert(state, expert_xs):
+    dx_nd, dgate_p = state
     w0, w1, w2, start, rows = expert_xs
     end = start + rows
 
     def step(size, row, inner):
-      dx_nd, g0, g1, g2 = inner
+      dx_nd, dgate_p, g0, g1, g2 = inner
       take = lambda a: jax.lax.dynamic_slice_in_dim(a, row, size)
       source_t = take(source_p)
-      x_td, h0, h1 = x_nd[source_t], take(h0_pf), take(h1_pf)
-      mine_t = row + jnp.arange(size) < end  # rows past the expert's: no gradient
-      dy_td = jnp.where(mine_t[:, None], take(dy_pd), 0)
+      x_td, h0, h1, dout_td = x_nd[source_t], take(h0_pf), take(h1_pf), dout_nd[source_t]
+      # Rows past the expert's: no gradient here (their own expert writes theirs).
+      mine_t = row + jnp.arange(size) < end
+      dgate_t = jnp.where(mine_t, jnp.sum(take(y_pd).astype(jnp.float32)
+                                          * dout_td.astype(jnp.float32), axis=-1), 0)
+      gate_t = jnp.where(mine_t, take(gate_p), 0)
+      dy_td = dout_td * gate_t[:, None].astype(dout_td.dtype)
       a_tf, gate_vjp = jax.vjp(functools.partial(gated_hidden, kind), h0, h1)
       g2 = g2 + _dot(a_tf, dy_td, ((0,), (0,)))
       dh0, dh1 = gate_vjp(_dot(dy_td, w2, ((1,), (1,))).astype(dy_td.dtype))
       g0 = g0 + _dot(x_td, dh0, ((0,), (0,)))
       g1 = g1 + _dot(x_td, dh1, ((0,), (0,)))
       dx_td = _dot(dh0, w0, ((1,), (1,))) + _dot(dh1, w1, ((1,), (1,)))
-      return dx_nd.at[source_t].add(dx_td.astype(dx_nd.dtype)), g0, g1, g2
+      dgate_p = jax.lax.dynamic_update_slice_in_dim(
+          dgate_p, dgate_t.astype(dgate_p.dtype), row, 0)
+      return dx_nd.at[source_t].add(dx_td.astype(dx_nd.dtype)), dgate_p, g0, g1, g2
 
     zeros = tuple(jnp.zeros(w.shape, jnp.float32) for w in (w0, w1, w2))
-    dx_nd, *expert_grads = _for_chunks(start, rows, sizes, step, (dx_nd,) + zeros)
-    return dx_nd, tuple(g.astype(w.dtype) for g, w in zip(expert_grads, (w0, w1, w2)))
+    dx_nd, dgate_p, *expert_grads = _for_chunks(start, rows, sizes, step,
+                                                (dx_nd, dgate_p) + zeros)
+    return (dx_nd, dgate_p), tuple(g.astype(w.dtype)
+                                   for g, w in zip(expert_grads, (w0, w1, w2)))
 
-  dx_nd, grads = jax.lax.scan(expert, jnp.zeros_like(x_nd),
-                              (wi_0, wi_1, wo, layout.start_e, layout.rows_e))
-  return (dx_nd,) + tuple(grads)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _chunked_mlp(x_nd, source_p, wi_0, wi_1, wo, layout, sizes, kind):
-  return _forward(x_nd, source_p, wi_0, wi_1, wo, layout, sizes, kind)[0]
+  (dx_nd, dgate_p), grads = jax.lax.scan(
+      expert, (jnp.zeros_like(x_nd), jnp.zeros_like(gate_p)),
+      (wi_0, wi_1, wo, layout.start_e, layout.rows_e))
+  return (dx_nd, dgate_p) + tuple(grads)
 
 
-def _chunked_mlp_fwd(x_nd, source_p, wi_0, wi_1, wo, layout, sizes, kind):
-  y_pd, h0_pf, h1_pf = _forward(x_nd, source_p, wi_0, wi_1, wo, layout, sizes, kind)
-  return y_pd, (x_nd, source_p, h0_pf, h1_pf, wi_0, wi_1, wo, layout)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _chunked_ffn(x_nd, source_p, gate_p, wi_0, wi_1, wo, layout, sizes, kind):
+  return _forward(x_nd, source_p, gate_p, wi_0, wi_1, wo, layout, sizes, kind)[0]
 
 
-def _chunked_mlp_bwd(sizes, kind, res, dy_pd):
-  x_nd, source_p, h0_pf, h1_pf, wi_0, wi_1, wo, layout = res
-  dx_nd, dwi_0, dwi_1, dwo = _backward(x_nd, source_p, h0_pf, h1_pf,
-                                       dy_pd.astype(x_nd.dtype), wi_0, wi_1, wo,
-                                       layout, sizes, kind)
+def _chunked_ffn_fwd(x_nd, source_p, gate_p, wi_0, wi_1, wo, layout, sizes, kind):
+  out_nd, y_pd, h0_pf, h1_pf = _forward(x_nd, source_p, gate_p, wi_0, wi_1, wo,
+                                        layout, sizes, kind)
+  return out_nd, (x_nd, source_p, gate_p, y_pd, h0_pf, h1_pf, wi_0, wi_1, wo, layout)
+
+
+def _chunked_ffn_bwd(sizes, kind, res, dout_nd):
+  x_nd, source_p, gate_p, y_pd, h0_pf, h1_pf, wi_0, wi_1, wo, layout = res
+  dx_nd, dgate_p, dwi_0, dwi_1, dwo = _backward(
+      x_nd, source_p, gate_p, y_pd, h0_pf, h1_pf, dout_nd.astype(x_nd.dtype), wi_0,
+      wi_1, wo, layout, sizes, kind)
   no_grad = lambda tree: jax.tree.map(
       lambda a: jnp.zeros(a.shape, jax.dtypes.float0), tree)
-  return dx_nd, no_grad(source_p), dwi_0, dwi_1, dwo, no_grad(layout)
+  return dx_nd, no_grad(source_p), dgate_p, dwi_0, dwi_1, dwo, no_grad(layout)
 
 
-_chunked_mlp.defvjp(_chunked_mlp_fwd, _chunked_mlp_bwd)
+_chunked_ffn.defvjp(_chunked_ffn_fwd, _chunked_ffn_bwd)
 
 
-def chunked_expert_mlp(x_nd: jax.Array, source_p: jax.Array, wi_0: jax.Array,
-                       wi_1: jax.Array, wo: jax.Array, layout: ExpertRows,
-                       sizes: ChunkSizes, kind: str) -> jax.Array:
-  """Returns y [P, d]: row p is token x_nd[source_p[p]] through the gated MLP of
-  the expert that owns row p (wi_0 [E, d, F0], wi_1 [E, d, F], wo [E, F, d]).
-  source_p must hold `sizes.big` spare rows past the last expert's (pointing at
-  any token, e.g. a zero row); the output's rows outside every expert's range are
-  unspecified."""
-  return _chunked_mlp(x_nd, source_p, wi_0, wi_1, wo, layout, sizes, kind)
+def chunked_expert_ffn(x_nd: jax.Array, source_p: jax.Array, gate_p: jax.Array,
+                       wi_0: jax.Array, wi_1: jax.Array, wo: jax.Array,
+                       layout: ExpertRows, sizes: ChunkSizes, kind: str) -> jax.Array:
+  """Returns out [n, d]: out[i] = sum over the rows p with source_p[p] = i of
+  gate_p[p] x (token i through the gated MLP of the expert that owns row p)
+  (wi_0 [E, d, F0], wi_1 [E, d, F], wo [E, F, d]). Rows past the last expert's
+  (source_p must hold `sizes.big` of them, e.g. pointing at a zero token, with any
+  gate) add nothing."""
+  return _chunked_ffn(x_nd, source_p, gate_p, wi_0, wi_1, wo, layout, sizes, kind)

@@ -6,7 +6,7 @@ import gin
 import jax
 import jax.numpy as jnp
 
-from openmoe_jax.kernels.block_mlp import ChunkSizes, chunked_expert_mlp, expert_rows
+from openmoe_jax.kernels.block_mlp import ChunkSizes, chunked_expert_ffn, expert_rows
 from openmoe_jax.moe.dispatch.base import ExpertWeights
 from openmoe_jax.moe.dispatch.primitives import max_kept_rows
 from openmoe_jax.moe.routers import Routing
@@ -60,18 +60,19 @@ class BlockDispatcher:
     g, s, d = x_gsd.shape
     num_experts = weights.num_experts
     num_rows = max_kept_rows(routing, g * s, num_experts)
-    # Rows: the kept choices, then zero rows up to num_rows + `big` (chunks may run
-    # past the last kept row). Unkept choices point past the end: they move nothing
-    # in and read zeros out.
+    # Rows: the kept choices, then spare rows up to num_rows + `big` (chunks may run
+    # past the last kept row) reading a zero token with a zero gate. Unkept choices
+    # point past the end: they move nothing.
     num_padded = num_rows + self.big
     row_gsk, layout = block_rows(routing, num_experts, num_padded)
     token_gsk = jnp.broadcast_to(jnp.arange(g * s, dtype=jnp.int32).reshape(g, s, 1),
                                  row_gsk.shape)
-    source_p = jnp.full((num_padded,), g * s, jnp.int32).at[
-        row_gsk.reshape(-1)].set(token_gsk.reshape(-1), mode="drop")
+    to_rows = lambda values, fill: jnp.full((num_padded,), fill, values.dtype).at[
+        row_gsk.reshape(-1)].set(values.reshape(-1), mode="drop")
+    source_p = to_rows(token_gsk, g * s)
+    gate_p = to_rows(routing.gates.astype(jnp.float32), 0.0)
     x_nd = jnp.concatenate([x_gsd.reshape(g * s, d), jnp.zeros((1, d), x_gsd.dtype)])
-    y_pd = chunked_expert_mlp(x_nd, source_p, weights.wi_0, weights.wi_1,
-                              weights.wo, layout, ChunkSizes(self.big, self.small),
-                              weights.kind)
-    y_gskd = y_pd.at[row_gsk].get(mode="fill", fill_value=0)
-    return jnp.einsum("gskd,gsk->gsd", y_gskd, routing.gates.astype(y_gskd.dtype))
+    out_nd = chunked_expert_ffn(x_nd, source_p, gate_p, weights.wi_0, weights.wi_1,
+                                weights.wo, layout, ChunkSizes(self.big, self.small),
+                                weights.kind)
+    return out_nd[:g * s].reshape(g, s, d)
