@@ -25,13 +25,19 @@ def test_choice_per_platform_and_size():
   for cf in (1.25, 2.0):
     assert auto.choose(256, 8, expert_capacity(256, 8, cf, 4), 2) == EinsumDispatcher()
   base_capacity = expert_capacity(4096, 16, 1.25, 4)  # OpenMoE-Base's layer
-  assert auto.choose(4096, 16, base_capacity, 2) == BlockDispatcher()
-  assert auto.choose(1024, 64, 40, 2) == BlockDispatcher()  # E above the einsum limit
+  assert auto.choose(4096, 16, base_capacity, 2) == BlockDispatcher()  # 512 per expert
+  # E above the einsum limit: block from 128 choices per expert (over all groups).
+  assert auto.choose(4096, 64, 160, 2) == BlockDispatcher()
+  assert auto.choose(1024, 64, 40, 2) == SortDispatcher()
+  assert auto.choose(1024, 64, 40, 2, num_groups=4) == BlockDispatcher()
+  assert auto.choose(4096, 256, 160, 8) == BlockDispatcher()  # OpenMoE 2's fine experts
+  assert auto.choose(4096, 256, 40, 2) == SortDispatcher()
   assert auto.choose(4096, 64, 4096, 2) == BlockDispatcher()  # dropless
+  assert auto.choose(1024, 256, 1024, 2) == BlockDispatcher()  # dropless, 8 per expert
   for kind in ("TPU v3", "TPU v4", "TPU v5 lite", "TPU v5p", "TPU v6 lite"):
     with compile_target(kind):
       assert auto.choose(256, 8, 40, 2) == RaggedDispatcher("pallas")
-  assert AutoDispatcher(einsum_max_elements=0).choose(256, 8, 40, 2) == BlockDispatcher()
+  assert AutoDispatcher(einsum_max_elements=0).choose(256, 8, 40, 2) == SortDispatcher()
   expert_mesh = jax.make_mesh((2, 2), ("data", "expert"), devices=jax.devices()[:4],
                               axis_types=(jax.sharding.AxisType.Auto,) * 2)
   data_mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4],
@@ -41,7 +47,7 @@ def test_choice_per_platform_and_size():
     assert auto.choose(1024, 64, 40, 2) == SortDispatcher()
     assert auto.choose(4096, 64, 4096, 2) == RaggedDispatcher("padded")
   with partitioning.activate(data_mesh):
-    assert auto.choose(1024, 64, 40, 2) == BlockDispatcher()
+    assert auto.choose(4096, 64, 160, 2) == BlockDispatcher()
   with compile_target("TPU v5p"):
     with partitioning.activate(expert_mesh):
       assert auto.choose(256, 8, 40, 2) == AllToAllDispatcher(buffer_dispatcher=SortDispatcher())
@@ -82,7 +88,9 @@ def test_output_is_the_chosen_engines():
   w0, w1, w2 = jax.random.normal(jax.random.PRNGKey(2), (3, num_experts, d, d))
   weights = ExpertWeights(wi_0=w0, wi_1=w1, wo=w2, kind="swiglu")
   for auto, engine in [(AutoDispatcher(), EinsumDispatcher()),
-                       (AutoDispatcher(einsum_max_elements=0), BlockDispatcher())]:
+                       (AutoDispatcher(einsum_max_elements=0), SortDispatcher()),
+                       (AutoDispatcher(einsum_max_elements=0, block_min_rows=1),
+                        BlockDispatcher())]:
     got = jax.jit(lambda x: auto(x, routing, weights))(x)
     want = jax.jit(lambda x: engine(x, routing, weights))(x)
     np.testing.assert_array_equal(got, want)

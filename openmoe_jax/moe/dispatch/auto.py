@@ -16,12 +16,14 @@
   tile padding, no capacity buffers); with experts split over devices GPU follows the
   rules below. Not measured on a GPU yet.
 - Elsewhere (CPU): `EinsumDispatcher` while the one-hot dispatch tensor is small (at most
-  `einsum_max_experts` experts and s x E x C <= `einsum_max_elements` per group),
-  else `BlockDispatcher` (capacity and dropless routing alike). When a mesh splits
-  the experts over devices (GSPMD expert parallelism, e.g. the emulated meshes of
-  the tests), `SortDispatcher`, whose buffers carry the expert sharding, or
-  `RaggedDispatcher(backend="padded")` when the capacity buffers would hold more
-  than `ragged_buffer_ratio` x the s x k choices (dropless routing, C up to s).
+  `einsum_max_experts` experts and s x E x C <= `einsum_max_elements` per group);
+  else `BlockDispatcher` for dropless routing (C up to s: E x C over
+  `ragged_buffer_ratio` x the s x k choices) and for capacity routing with at least
+  `block_min_rows` choices per expert on average (g s k / E), `SortDispatcher` for
+  capacity routing with fewer. When a mesh splits the experts over devices (GSPMD
+  expert parallelism, e.g. the emulated meshes of the tests): `SortDispatcher`, whose
+  buffers carry the expert sharding, or `RaggedDispatcher(backend="padded")` for
+  dropless routing.
 
 Why those thresholds (benchmarks/moe_layer.py, fwd+bwd on a 2-core CPU, capacity
 factor 1.25 per choice): the one-hot einsums cost O(s E C d) and pay off only while
@@ -30,9 +32,14 @@ that tensor is small. Sort took 0.56x einsum's time at 1024 tokens, E 8 (s E C =
 1/6 at E 64 and 256; at 512 tokens, E 16 (0.65M) einsum was faster (158 vs 188 ms),
 and at the quickstart's 256 tokens, E 8 (0.16M) the two were within the noise, where
 einsum keeps the quickstart's numerics. The block path computes only the kept
-choices (no empty capacity slots) in large row chunks: at 4096 tokens it took
-0.99x / 0.97x / 0.88x of sort's time at (E 16, k 2) / (E 64, k 2) / (E 256, k 8),
-and 0.6-0.7x of the padded ragged path's for dropless routing (README table).
+choices (no empty capacity slots) in row chunks of up to 128: at 4096 tokens it took
+0.95x / 0.95x / 0.82x of sort's time at (E 16, k 2) / (E 64, k 2) / (E 256, k 8)
+(512, 128 and 128 choices per expert) and 0.88x / 0.72x / 0.62x of the padded
+ragged path's for dropless routing; with 32 or 64 choices per expert its chunks are
+small and each expert's weights are copied and its gradient written for few rows,
+so sort was faster (1024 tokens, E 64: 173 vs 206 ms; 2048 tokens, E 64: 247 vs 276;
+4096 tokens, E 128 and E 256, k 2: 549 vs 559 and 741 vs 1196), while for dropless
+routing block stayed ahead of the padded ragged path (README, `--sweep`).
 Every choice serves exactly the kept choices of the routing, so the drop decisions
 do not depend on the pick; the numerics differ only in summation order.
 
@@ -77,11 +84,13 @@ class AutoDispatcher:
   einsum_max_experts: int = 16
   einsum_max_elements: int = 1 << 20  # s x E x C of the one-hot dispatch tensor
   ragged_buffer_ratio: float = 2.0  # E x C over s x k beyond which ragged serves
+  block_min_rows: int = 128  # mean rows per expert from which block beats sort
 
   def choose(self, tokens_per_group: int, num_experts: int, capacity: int,
-             choices: int) -> Dispatcher:
-    """Returns the dispatcher for groups of `tokens_per_group` tokens with `choices`
-    options each (top-k; E for expert choice) and `capacity` slots per expert."""
+             choices: int, num_groups: int = 1) -> Dispatcher:
+    """Returns the dispatcher for `num_groups` groups of `tokens_per_group` tokens
+    with `choices` options each (top-k; E for expert choice) and `capacity` slots
+    per expert."""
     dropless = (num_experts * capacity
                 > self.ragged_buffer_ratio * tokens_per_group * choices)
     if target.on_tpu():
@@ -96,7 +105,10 @@ class AutoDispatcher:
         and tokens_per_group * num_experts * capacity <= self.einsum_max_elements):
       return EinsumDispatcher()
     if expert_split_size(jax.sharding.get_abstract_mesh()) <= 1:
-      return BlockDispatcher()
+      rows_per_expert = num_groups * tokens_per_group * choices / num_experts
+      if dropless or rows_per_expert >= self.block_min_rows:
+        return BlockDispatcher()
+      return SortDispatcher()
     if dropless:
       return RaggedDispatcher(backend="padded")
     return SortDispatcher()
@@ -104,5 +116,5 @@ class AutoDispatcher:
   def __call__(self, x_gsd: jax.Array, routing: Routing,
                weights: ExpertWeights) -> jax.Array:
     dispatcher = self.choose(x_gsd.shape[1], weights.num_experts, routing.capacity,
-                             routing.expert_index.shape[-1])
+                             routing.expert_index.shape[-1], x_gsd.shape[0])
     return dispatcher(x_gsd, routing, weights)
