@@ -74,6 +74,12 @@ def _chunk_plan(sizes: ChunkSizes):
   return plan
 
 
+def _owned(row, size: int, end) -> jax.Array:
+  """Returns [size] bool: which rows of the chunk at `row` lie before `end`, i.e.
+  belong to the expert whose rows end there (the rest are run-past rows)."""
+  return row + jnp.arange(size) < end
+
+
 def _for_chunks(start, rows, sizes: ChunkSizes, step, state):
   """Runs state = step(size, row, state) over the chunks of rows [start, start +
   rows) (module docstring) in row order; returns the final state. Chunks that may
@@ -117,13 +123,13 @@ def _forward(x_nd, source_p, gate_p, wi_0, wi_1, wo, layout, sizes, kind):
       h1 = _dot(x_td, w1, ((1,), (0,))).astype(x_nd.dtype)
       y_td = _dot(gated_hidden(kind, h0, h1), w2, ((1,), (0,))).astype(x_nd.dtype)
       # Rows past the expert's are added by their own expert.
-      gate_t = jnp.where(row + jnp.arange(size) < end,
+      gate_t = jnp.where(_owned(row, size, end),
                          jax.lax.dynamic_slice_in_dim(gate_p, row, size), 0)
       out_nd = out_nd.at[source_t].add(y_td * gate_t[:, None].astype(y_td.dtype))
       put = lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v, row, 0)
       return out_nd, put(y_pd, y_td), put(h0_pf, h0), put(h1_pf, h1)
 
-    return _for_chunks(layout.start_e[e], end - layout.start_e[e], sizes, step, state)
+    return _for_chunks(layout.start_e[e], layout.rows_e[e], sizes, step, state)
 
   return jax.lax.fori_loop(0, wo.shape[0], expert, state)
 
@@ -142,7 +148,7 @@ def _backward(x_nd, source_p, gate_p, y_pd, h0_pf, h1_pf, dout_nd, wi_0, wi_1, w
       source_t = take(source_p)
       x_td, h0, h1, dout_td = x_nd[source_t], take(h0_pf), take(h1_pf), dout_nd[source_t]
       # Rows past the expert's: no gradient here (their own expert writes theirs).
-      mine_t = row + jnp.arange(size) < end
+      mine_t = _owned(row, size, end)
       dgate_t = jnp.where(mine_t, jnp.sum(take(y_pd).astype(jnp.float32)
                                           * dout_td.astype(jnp.float32), axis=-1), 0)
       gate_t = jnp.where(mine_t, take(gate_p), 0)

@@ -93,18 +93,19 @@ class AutoDispatcher:
     per expert."""
     dropless = (num_experts * capacity
                 > self.ragged_buffer_ratio * tokens_per_group * choices)
+    experts_split = expert_split_size(jax.sharding.get_abstract_mesh()) > 1
     if target.on_tpu():
-      if expert_split_size(jax.sharding.get_abstract_mesh()) <= 1:
+      if not experts_split:
         return RaggedDispatcher("pallas")
       if dropless and (target.tpu_generation() or 0) >= 4:
         return RaggedAllToAllDispatcher(backend="pallas")
       return AllToAllDispatcher(buffer_dispatcher=SortDispatcher())
-    if on_gpu() and expert_split_size(jax.sharding.get_abstract_mesh()) <= 1:
+    if on_gpu() and not experts_split:
       return RaggedDispatcher("ragged_dot")
     if (num_experts <= self.einsum_max_experts
         and tokens_per_group * num_experts * capacity <= self.einsum_max_elements):
       return EinsumDispatcher()
-    if expert_split_size(jax.sharding.get_abstract_mesh()) <= 1:
+    if not experts_split:
       rows_per_expert = num_groups * tokens_per_group * choices / num_experts
       if dropless or rows_per_expert >= self.block_min_rows:
         return BlockDispatcher()
