@@ -6,7 +6,7 @@ Runs on whatever device jax sees first (GPU, TPU or CPU) and writes ONE JSON fil
 
 - `device`: device_kind, backend, device count, jax version;
 - `moe_layer`: benchmarks/moe_layer.py's rows (its method: dense and every dispatcher
-  timed interleaved in rounds, median and spread, median per-round ratio to dense,
+  timed in pairs with dense per path, median and spread, median per-pair ratio to dense,
   analytic useful FLOPs as a fraction of a bf16 matmul peak measured at the start
   and the end of the section, load average) for the issue's three configs in
   bfloat16, every dispatcher of `moe_layer.DISPATCHERS` ("auto" is the default
@@ -86,7 +86,7 @@ def spec_peak_flops(device_kind: str):
 
 
 def layer_section(shapes, dispatchers, rounds: int, budget_s: float) -> Dict[str, Any]:
-  """Returns {"rows", "skipped", run info}: moe_layer's interleaved rows in bf16 for
+  """Returns {"rows", "skipped", run info}: moe_layer's paired rows in bf16 for
   each shape started within `budget_s` seconds."""
   dtype = jnp.bfloat16
   start, skipped, rows = time.perf_counter(), [], []
@@ -185,7 +185,7 @@ def main(argv=None):
   parser.add_argument("--output", required=True, help="path of the JSON written")
   parser.add_argument("--tiny", action="store_true", help="CPU-sized, < 60 s")
   parser.add_argument("--rounds", type=int, default=None,
-                      help="interleaved rounds of the layer table (5; tiny 2)")
+                      help="timed pairs per path of the layer table (5; tiny 2)")
   parser.add_argument("--layer_budget_s", type=float, default=240.0)
   parser.add_argument("--train_budget_s", type=float, default=150.0)
   parser.add_argument("--train_steps", type=int, default=None,

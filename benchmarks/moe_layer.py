@@ -6,13 +6,13 @@ Usage: python benchmarks/moe_layer.py [--quick] [--json] [--rounds N] [--dispatc
 Each row times `jax.jit(value_and_grad)` of the MoE layer (router + dispatch +
 experts + combine; swiglu experts) on one batch against a dense swiglu MLP of hidden
 width top_k x expert d_ff on all tokens (the same useful FLOPs but the router's).
-Method (benchmarks/timing.py): every path of a shape is compiled first, then timed
-interleaved, `--rounds` rounds of one call each (dense, a, b, ..., dense, a, b, ...)
-after `--warmup` untimed rounds. Per path: `ms` is the median of its per-round
-times, `ms_min` / `ms_max` their spread (`dense_ms*` the baseline's);
-`ratio_to_dense` is the MEDIAN OF THE PER-ROUND RATIOS (a load change during the run
-hits both sides of a round, so it cancels), `ratio_to_dense_min` / `_max`
-the spread of the per-round ratios.
+Method (benchmarks/timing.py): every path of a shape is compiled first, then each
+dispatcher is timed in pairs with the dense baseline alone (dense, a, dense, a, ...;
+`--rounds` pairs after `--warmup` untimed pairs), then the next dispatcher. Per
+path: `ms` is the median of its per-pair times, `ms_min` / `ms_max` their spread
+(`dense_ms*` the baseline's, from the same pairs); `ratio_to_dense` is the MEDIAN OF
+THE PER-PAIR RATIOS (a load change during the run hits both sides of a pair, so it
+cancels), `ratio_to_dense_min` / `_max` the spread of the per-pair ratios.
 `peak_fraction` (`dense_peak_fraction`) is the path's achieved FLOP/s, from its
 ANALYTIC useful FLOPs (`useful_flops`: 6 x tokens x matmul parameters a token goes
 through, top_k experts + router for MoE, flops.py's convention; the capacity paths
@@ -181,14 +181,15 @@ def compile_paths(shape, dispatchers: Sequence[str], dtype: Any = jnp.float32):
 def time_shape(config: str, shape, dispatchers: Sequence[str], rounds: int = 5,
                warmup: int = 1, dtype: Any = jnp.float32) -> List[Dict[str, Any]]:
   """Returns one row per dispatcher for `shape`, all paths and the dense baseline
-  timed interleaved (module docstring); rows lack the run-wide fields that
+  timed in pairs with dense (module docstring); rows lack the run-wide fields that
   `finish_rows` adds (peaks, peak fractions, load averages)."""
   d_model, d_ff, experts, top_k, tokens = shape
   paths = compile_paths(shape, dispatchers, dtype)
-  times = timing.interleaved_ms({k: v[0] for k, v in paths.items()}, rounds, warmup)
-  dense = times.pop("dense")
+  times = timing.paired_ms(paths["dense"][0],
+                           {k: v[0] for k, v in paths.items() if k != "dense"},
+                           rounds, warmup)
   rows = []
-  for dispatcher, ms in times.items():
+  for dispatcher, (dense, ms) in times.items():
     cf = None if DISPATCHERS[dispatcher][1] else CAPACITY_FACTOR
     ratios = timing.per_round_ratios(ms, dense)
     rows.append({
@@ -243,7 +244,7 @@ def _header(peak_start: float, peak_end: float, load_start, load_end, rounds: in
             dtype: Any) -> str:
   """Returns the table's header lines (run conditions, then column names)."""
   return (f"# {jax.devices()[0].device_kind}, {jnp.dtype(dtype).name}, {rounds} "
-          f"interleaved rounds; matmul peak {peak_start / 1e9:.1f} GFLOP/s at start, "
+          f"pairs with dense per path; matmul peak {peak_start / 1e9:.1f} GFLOP/s at start, "
           f"{peak_end / 1e9:.1f} at end; load average {load_start} at start, "
           f"{load_end} at end\n"
           f"{'config':20} {'dispatcher':24} {'tokens':>6} {'E':>4} {'cf':>5} "
@@ -253,7 +254,7 @@ def _header(peak_start: float, peak_end: float, load_start, load_end, rounds: in
 
 def run(shapes, dispatchers: Sequence[str], rounds: int, warmup: int,
         max_einsum_elements: int, dtype: Any = jnp.float32):
-  """Returns (rows, run info dict): every shape timed interleaved between a start
+  """Returns (rows, run info dict): every shape timed in pairs with dense between a start
   and an end matmul peak and load average."""
   load_start, peak_start = timing.load_average(), timing.matmul_peak(dtype)
   rows = []
@@ -281,7 +282,7 @@ def main(argv=None):
                       help="scaling sweep: tokens 1k-16k, then E 16-256")
   parser.add_argument("--json", action="store_true", help="one JSON object per row")
   parser.add_argument("--rounds", "--runs", dest="rounds", type=int, default=5,
-                      help="interleaved timed rounds (--runs: the old name)")
+                      help="timed pairs (dense, path) per path (--runs: the old name)")
   parser.add_argument("--warmup", type=int, default=1, help="untimed rounds")
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   parser.add_argument("--configs", default=",".join(CONFIGS))

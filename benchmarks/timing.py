@@ -1,13 +1,16 @@
-"""Timing helpers shared by the benchmarks: compile once, time paths interleaved.
+"""Timing helpers shared by the benchmarks: compile once, time paths in pairs.
 
-The method (issue #15): every path of one comparison (the dense baseline first, then
-each MoE path) is compiled up front, then timed in rounds, one call of each path per
-round in the same order (dense, a, b, ..., dense, a, b, ...). Load that drifts over
-the run hits all paths of a round alike, so each path's ratio to the baseline is
-taken per round and its median reported, next to the median and spread (min, max)
-of each path's per-round times. Beside the ratio goes the achieved FLOP/s as a
-fraction of a matmul peak measured in the same process (`flops.measured_matmul_
-peak_flops`), and the load average, so a reader can tell a busy machine's numbers.
+The method (issue #15): every path of one comparison (the dense baseline and each
+MoE path) is compiled up front, then each MoE path is timed against the baseline
+alone, alternating one call of each (A B A B ..., `rounds` pairs after `warmup`
+untimed pairs). Load that drifts over the run hits both calls of a pair alike, so
+the path's ratio to the baseline is taken per pair and its median reported, next to
+the median and spread (min, max) of both sides' times. Pairing each path with the
+baseline alone (rather than one round through every path) keeps one path's working
+set (a 2 GiB one-hot tensor, say) from evicting the caches the next path starts
+with. Beside the ratio goes the achieved FLOP/s as a fraction of a matmul peak
+measured in the same process (`flops.measured_matmul_peak_flops`), and the load
+average, so a reader can tell a busy machine's numbers.
 """
 import os
 import statistics
@@ -49,19 +52,23 @@ def compile_fn(fn: Callable, *args) -> Tuple[Callable, Optional[int], Optional[f
   return compiled, peak, counted
 
 
-def interleaved_ms(calls: Dict[str, Callable[[], Any]], rounds: int,
-                   warmup: int = 1) -> Dict[str, List[float]]:
-  """Returns {name: [ms of round 0, 1, ...]}: `warmup` untimed calls of each, then
-  `rounds` rounds calling every entry of `calls` once, in order."""
-  for _ in range(warmup):
-    for call in calls.values():
+def paired_ms(base: Callable[[], Any], calls: Dict[str, Callable[[], Any]],
+              rounds: int, warmup: int = 1
+              ) -> Dict[str, Tuple[List[float], List[float]]]:
+  """Returns {name: (base ms per pair, name's ms per pair)}: for each entry of
+  `calls` in turn, `warmup` untimed then `rounds` timed pairs (base, call)."""
+  def timed(call) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(call())
+    return (time.perf_counter() - start) * 1e3
+
+  times = {}
+  for name, call in calls.items():
+    for _ in range(warmup):
+      jax.block_until_ready(base())
       jax.block_until_ready(call())
-  times: Dict[str, List[float]] = {name: [] for name in calls}
-  for _ in range(rounds):
-    for name, call in calls.items():
-      start = time.perf_counter()
-      jax.block_until_ready(call())
-      times[name].append((time.perf_counter() - start) * 1e3)
+    pairs = [(timed(base), timed(call)) for _ in range(rounds)]
+    times[name] = ([b for b, _ in pairs], [c for _, c in pairs])
   return times
 
 
@@ -73,7 +80,7 @@ def spread(values: Sequence[float], prefix: str, digits: int = 3) -> Dict[str, f
 
 
 def per_round_ratios(times: Sequence[float], base: Sequence[float]) -> List[float]:
-  """Returns times[r] / base[r] for each round r."""
+  """Returns times[r] / base[r] for each round (pair) r."""
   return [t / b for t, b in zip(times, base)]
 
 

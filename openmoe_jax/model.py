@@ -14,6 +14,7 @@ import numpy as np
 from openmoe_jax.config import ModelConfig
 from openmoe_jax.layers.attention import Attention, AttentionMask
 from openmoe_jax.layers.embeddings import Embed
+from openmoe_jax.layers.matmul import rows_matmul
 from openmoe_jax.layers.mlp import Mlp
 from openmoe_jax.layers.norms import RMSNorm
 from openmoe_jax.moe.layer import MoeLayer
@@ -219,8 +220,8 @@ class Decoder(nn.Module):
         "head", nn.with_logical_partitioning(
             nn.initializers.normal(cfg.d_model ** -0.5), ("embed", "vocab")),
         (cfg.d_model, cfg.vocab_size), jnp.float32)
-    logits_btv = jnp.einsum("btd,dv->btv", x_btd, head_vd.astype(dtype),
-                            preferred_element_type=jnp.float32)
+    logits_btv = rows_matmul(x_btd, head_vd.astype(dtype),
+                             preferred_element_type=jnp.float32)
     return logits_btv, _summarise_moe_aux(moe_aux, cfg)
 
 

@@ -140,29 +140,34 @@ def test_time_shape_smoke(bench):
     assert (row["loadavg_start"], row["loadavg_end"]) == ([1.0, 2.0, 3.0], None)
 
 
-def test_paths_are_timed_interleaved_and_ratios_taken_per_round(bench, monkeypatch):
-  """Rounds alternate the paths (dense, a, b, dense, a, b, ...) and the ratio is the
-  median of per-round ratios: a load spike in one round moves no ratio."""
+def test_each_path_is_timed_in_pairs_with_dense_and_ratios_taken_per_pair(
+    bench, monkeypatch):
+  """Each path alternates with the baseline alone (dense, a, dense, a, ..., then
+  dense, b, ...) and the ratio is the median of per-pair ratios: a load spike in one
+  pair moves no ratio."""
   order = []
-  calls = {name: (lambda n=name: order.append(n)) for name in ("dense", "a", "b")}
-  times = bench.timing.interleaved_ms(calls, rounds=3, warmup=1)
-  assert order == ["dense", "a", "b"] * 4
-  assert all(len(t) == 3 and min(t) >= 0 for t in times.values())
-  # Round 2 ran 10x slower for every path: per-round ratios stay 2.
+  record = lambda n: (lambda: order.append(n))
+  times = bench.timing.paired_ms(record("dense"), {"a": record("a"), "b": record("b")},
+                                 rounds=3, warmup=1)
+  assert order == ["dense", "a"] * 4 + ["dense", "b"] * 4
+  assert list(times) == ["a", "b"]
+  assert all(len(side) == 3 and min(side) >= 0 for pair in times.values()
+             for side in pair)
+  # Pair 2 ran 10x slower for both sides: per-pair ratios stay 2.
   dense, slow = [1.0, 1.0, 10.0, 1.0], [2.0, 2.0, 20.0, 2.0]
   ratios = bench.timing.per_round_ratios(slow, dense)
   assert ratios == [2.0] * 4
   assert bench.timing.spread(ratios, "r") == {"r": 2.0, "r_min": 2.0, "r_max": 2.0}
-  # Load rose after round 0's dense call and fell before round 2's: the ratio of the
-  # medians would say 10x, the median of the per-round ratios says 2x.
+  # Load rose after pair 0's dense call and fell before pair 2's: the ratio of the
+  # medians would say 10x, the median of the per-pair ratios says 2x.
   ratios = bench.timing.per_round_ratios([2.0, 10.0, 10.0], [1.0, 1.0, 5.0])
   assert bench.timing.spread(ratios, "r")["r"] == 2.0
   assert bench.timing.spread([3.0, 1.0, 2.0, 10.0], "ms") == {
       "ms": 2.5, "ms_min": 1.0, "ms_max": 10.0}
   clock = iter([0.0, 0.001, 0.0, 0.003, 0.0, 0.002, 0.0, 0.006])
   monkeypatch.setattr(bench.timing.time, "perf_counter", lambda: next(clock))
-  times = bench.timing.interleaved_ms({"dense": lambda: 0, "a": lambda: 0}, 2, 0)
-  assert times == {"dense": pytest.approx([1.0, 2.0]), "a": pytest.approx([3.0, 6.0])}
+  times = bench.timing.paired_ms(lambda: 0, {"a": lambda: 0}, 2, 0)
+  assert times == {"a": (pytest.approx([1.0, 2.0]), pytest.approx([3.0, 6.0]))}
 
 
 def test_sweep_prints_json_rows(bench, monkeypatch, capsys):

@@ -16,7 +16,7 @@ from openmoe_jax.analysis.routing import flatten_routing
 from openmoe_jax.config import ModelConfig, MoeConfig
 from openmoe_jax.model import Decoder
 from openmoe_jax.objectives import CausalLm
-from openmoe_jax.objectives.common import moe_layer_numbers
+from openmoe_jax.objectives.common import moe_layer_numbers, weighted_cross_entropy
 
 CFG = ModelConfig(vocab_size=64, d_model=16, num_heads=2, head_dim=8, d_ff=24,
                   num_layers=2, sparse_interval=2,
@@ -94,3 +94,46 @@ def test_causal_lm_reports_drops_by_quarter_from_the_routing():
       assert float(metrics[f"moe/layer_{n}/drop_fraction_{part}_quarter"]) == (
           pytest.approx(dropped_l[l]))
   assert 0 < float(metrics["moe/drop_fraction"]) < 1
+
+
+def test_weighted_cross_entropy_matches_numpy_with_its_gradient():
+  """The fused CE / z-loss / accuracy pass against the float64 NumPy reference, on
+  logits where about half the targets are the argmax (so accuracy is informative),
+  and d loss / d logits against the closed form w / N x ((1 + 2 z lse) softmax -
+  onehot)."""
+  rng = np.random.default_rng(1)
+  logits = rng.standard_normal((3, 5, 11)).astype(np.float32) * 3
+  targets = np.where(rng.random((3, 5)) < 0.5, logits.argmax(-1),
+                     rng.integers(0, 11, (3, 5))).astype(np.int32)
+  weights = rng.choice([0.0, 0.5, 1.0, 2.0], (3, 5))
+  z = 0.05
+  loss_fn = lambda lg: weighted_cross_entropy(lg, jnp.asarray(targets),
+                                              jnp.asarray(weights, jnp.float32), z)
+  (loss, metrics), grad = jax.value_and_grad(loss_fn, has_aux=True)(jnp.asarray(logits))
+  ce, zl, accuracy = _np_weighted_loss(logits, targets, weights, z)
+  assert 0.2 < accuracy < 0.9
+  assert float(metrics["accuracy"]) == pytest.approx(accuracy, rel=1e-6)
+  assert float(metrics["ce_loss"]) == pytest.approx(ce, rel=1e-5)
+  assert float(metrics["logits_z_loss"]) == pytest.approx(zl, rel=1e-5)
+  assert float(loss) == pytest.approx(ce + z * zl, rel=1e-5)
+  x = logits.astype(np.float64)
+  lse = np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1)) + x.max(-1)
+  softmax = np.exp(x - lse[..., None])
+  onehot = np.eye(11)[targets]
+  expected = (weights / weights.sum())[..., None] * (
+      (1 + 2 * z * lse)[..., None] * softmax - onehot)
+  np.testing.assert_allclose(np.asarray(grad), expected, rtol=1e-4, atol=1e-6)
+
+
+def test_accuracy_counts_a_tie_for_the_largest_logit_as_wrong():
+  """A target whose logit is the unique largest is correct; one tied with another
+  index for the largest (before or after it) is not, whatever argmax would pick."""
+  logits = jnp.asarray([[[0.0, 2.0, 1.0, 2.0],    # target 1 ties index 3
+                         [0.0, 2.0, 1.0, 2.0],    # target 3 ties index 1
+                         [0.0, 2.0, 1.0, 0.5],    # target 1 unique max
+                         [3.0, 3.0, 3.0, 3.0]]])  # all equal
+  targets = jnp.asarray([[1, 3, 1, 2]])
+  for row, expected in enumerate([0.0, 0.0, 1.0, 0.0]):
+    weights = jnp.zeros((1, 4)).at[0, row].set(1.0)
+    _, metrics = weighted_cross_entropy(logits, targets, weights)
+    assert float(metrics["accuracy"]) == expected, row

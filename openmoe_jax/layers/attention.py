@@ -12,6 +12,7 @@ from openmoe_jax.layers.attention_impls import PlainAttention, attention_impl_of
 from openmoe_jax.layers.attention_mask import (AttentionMask,  # noqa: F401
                                                make_attention_mask)
 from openmoe_jax.layers.embeddings import apply_rope
+from openmoe_jax.layers.matmul import rows_matmul
 from openmoe_jax.layers.norms import RMSNorm
 
 
@@ -50,7 +51,7 @@ class Attention(nn.Module):
     kernel = self.param(
         name, nn.with_logical_partitioning(init, ("embed", "heads", "kv")),
         (d, self.num_heads, self.head_dim), jnp.float32)
-    return jnp.einsum("btd,dhk->bthk", x_btd, kernel.astype(self.dtype))
+    return rows_matmul(x_btd, kernel.astype(self.dtype))
 
   @nn.compact
   def __call__(self, x_btd: jax.Array, positions_bt: jax.Array,
@@ -78,7 +79,7 @@ class Attention(nn.Module):
         "out", nn.with_logical_partitioning(
             nn.initializers.normal(inner ** -0.5), ("heads", "kv", "embed")),
         (self.num_heads, self.head_dim, x_btd.shape[-1]), jnp.float32)
-    out_btd = jnp.einsum("bthk,hkd->btd", out_bthk, wo.astype(self.dtype))
+    out_btd = rows_matmul(out_bthk, wo.astype(self.dtype), contract=2)
     return nn.with_logical_constraint(out_btd, ("batch", "length", "act_embed"))
 
   def _update_cache(self, k_bthk, v_bthk):

@@ -204,8 +204,11 @@ def _spec(mesh, shape, logical_names) -> PartitionSpec:
 class AutoAttention:
   """The default: `SplashAttention()` on TPU (the attached one or the compile
   target) for self-attention over a multiple of 128 tokens with head_dim a
-  multiple of 64 (compiled for v3 to v6e at 64 and 128), else `XlaDotProductAttention()` (cuDNN on GPU where it can,
-  XLA elsewhere). Splash hands prefix-LM masks to XLA."""
+  multiple of 64 (compiled for v3 to v6e at 64 and 128), `XlaDotProductAttention()`
+  on the other TPU shapes and on GPU (cuDNN where it can), `PlainAttention()` on
+  CPU, where both build the T^2 logits and the plain einsums ran faster: 18 vs 25 ms
+  fwd+bwd for [8, 256] tokens x 4 heads of 64, causal, on a 2-core AVX-512 CPU.
+  Splash hands prefix-LM masks to XLA."""
 
   def choose(self, q_bthk: jax.Array, k_bthk: jax.Array) -> Any:
     """Returns the implementation for these queries and keys."""
@@ -213,6 +216,8 @@ class AutoAttention:
     if (target.on_tpu() and t % SPLASH_MULTIPLE == 0 and k_bthk.shape[1] == t
         and head_dim % 64 == 0):
       return SplashAttention()
+    if not target.on_tpu() and jax.default_backend() == "cpu":
+      return PlainAttention()
     return XlaDotProductAttention()
 
   def __call__(self, q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array,

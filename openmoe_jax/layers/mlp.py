@@ -12,6 +12,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from openmoe_jax.layers.matmul import rows_matmul
+
 MLP_KINDS = ("swiglu", "geglu", "openmoe_swiglu")
 
 
@@ -62,8 +64,8 @@ class Mlp(nn.Module):
   def __call__(self, x_btd: jax.Array) -> jax.Array:
     wi_0, wi_1, wo = mlp_params(self, self.kind, x_btd.shape[-1], self.d_ff)
     cast = lambda w: w.astype(self.dtype)
-    h0 = jnp.einsum("btd,df->btf", x_btd, cast(wi_0))
-    h1 = jnp.einsum("btd,df->btf", x_btd, cast(wi_1))
+    h0 = rows_matmul(x_btd, cast(wi_0))
+    h1 = rows_matmul(x_btd, cast(wi_1))
     h_btf = gated_hidden(self.kind, h0, h1)
     h_btf = nn.with_logical_constraint(h_btf, ("batch", "length", "act_mlp"))
-    return jnp.einsum("btf,fd->btd", h_btf, cast(wo))
+    return rows_matmul(h_btf, cast(wo))
