@@ -16,6 +16,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from openmoe_jax.layers.matmul import rows_matmul
+
 
 @flax.struct.dataclass
 class Routing:
@@ -185,8 +187,8 @@ class RouterLogits(nn.Module):
                                              ("embed", "unmodeled")),
           (x_gsd.shape[-1], width), jnp.float32)
     x_gsd = x_gsd.astype(jnp.float32)
-    logits_gse = jnp.einsum("gsd,de->gse", x_gsd, weight("w", self.num_experts))
+    logits_gse = rows_matmul(x_gsd, weight("w", self.num_experts))
     if not self.num_shared:
       return logits_gse
-    shared_gsS = jnp.einsum("gsd,de->gse", x_gsd, weight("w_shared", self.num_shared))
+    shared_gsS = rows_matmul(x_gsd, weight("w_shared", self.num_shared))
     return jnp.concatenate([logits_gse, shared_gsS], axis=-1)
