@@ -51,6 +51,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from benchmarks import timing  # noqa: E402
 from openmoe_jax import flops  # noqa: E402
+from openmoe_jax.cli import environment, host_malloc  # noqa: E402
 from openmoe_jax.config import MoeConfig  # noqa: E402
 from openmoe_jax.layers.mlp import Mlp  # noqa: E402
 from openmoe_jax.moe.dispatch import (AutoDispatcher, BlockDispatcher,  # noqa: E402
@@ -276,6 +277,12 @@ def run(shapes, dispatchers: Sequence[str], rounds: int, warmup: int,
 
 
 def main(argv=None):
+  # The allocator setting of the library's CPU programs (openmoe_jax/cli/
+  # host_malloc.py), before the first computation: freed buffers are reused
+  # instead of page-faulted in again on every call.
+  if environment.runs_on_cpu():
+    print(f"malloc: reuse freed memory {host_malloc.reuse_freed_memory()} "
+          "(OPENMOE_MALLOC=default: glibc's defaults)", file=sys.stderr)
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help=f"{QUICK_TOKENS} tokens")
   parser.add_argument("--sweep", action="store_true",

@@ -1,5 +1,9 @@
 """cli/environment.py: the CPU is picked when libtpu has no TPU; native noise is
 recognised and everything else passes."""
+import os
+import subprocess
+import sys
+
 from openmoe_jax.cli import environment
 
 
@@ -47,3 +51,30 @@ def test_console_programs_are_recognised():
   assert environment.is_console_program(
       ["-m"], ["python", "-m", "openmoe_jax.cli.train", "--help"])
   assert not environment.is_console_program(["pytest"], ["python", "-m", "pytest"])
+
+
+def test_malloc_settings_are_applied_unless_opted_out():
+  from openmoe_jax.cli import host_malloc
+  calls = []
+  record = lambda param, value: calls.append((param, value)) or 1
+  assert host_malloc.reuse_freed_memory({}, mallopt=record)
+  assert calls == [(-8, 1), (-4, 0), (-1, 2**31 - 1)]  # arena max, mmap max, trim
+  calls.clear()
+  assert not host_malloc.reuse_freed_memory({"OPENMOE_MALLOC": "default"}, mallopt=record)
+  assert calls == []
+  assert not host_malloc.reuse_freed_memory({}, mallopt=lambda p, v: 0)  # refused
+  # glibc itself accepts them (in a child: they would change this process's malloc).
+  out = subprocess.run(
+      [sys.executable, "-c", "from openmoe_jax.cli import host_malloc; "
+       "print(host_malloc.reuse_freed_memory({}))"],
+      capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == "True"
+
+
+def test_runs_on_cpu_follows_jax_platforms_then_the_attached_devices():
+  assert environment.runs_on_cpu({"JAX_PLATFORMS": "cpu"})
+  assert not environment.runs_on_cpu({"JAX_PLATFORMS": "tpu"})
+  assert not environment.runs_on_cpu({"JAX_PLATFORMS": "cuda,cpu"})
+  assert not environment.runs_on_cpu({}, tpu=lambda: True)
+  assert environment.runs_on_cpu({}, tpu=lambda: False) == (
+      not any(os.path.exists(p) for p in environment._GPU_DEVICE_FILES))

@@ -23,6 +23,8 @@ import sys
 import threading
 from typing import Callable, MutableMapping, Optional, Sequence
 
+from openmoe_jax.cli import host_malloc
+
 _GOOGLE_PCI_VENDOR = "0x1ae0"
 # PCI device ids of TPU chips (as jax's hardware_utils lists them).
 _TPU_PCI_DEVICES = {"0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f",
@@ -182,9 +184,23 @@ def is_console_program(argv: Sequence[str], orig_argv: Sequence[str]) -> bool:
 
 def prepare_process() -> None:
   """Called on `import openmoe_jax`: picks the platform (if jax is not imported
-  yet) and, in the library's own programs, hides native log noise. Returns None."""
+  yet) and, in the library's own programs, lets malloc reuse freed memory on the
+  CPU (host_malloc.py) and hides native log noise. Returns None."""
   if "jax" not in sys.modules:
     pick_platform()
-  if is_console_program(sys.argv, getattr(sys, "orig_argv", [])) and (
-      not verbose_requested(sys.argv)):
+  if not is_console_program(sys.argv, getattr(sys, "orig_argv", [])):
+    return
+  if "jax" not in sys.modules and runs_on_cpu():
+    host_malloc.reuse_freed_memory()
+  if not verbose_requested(sys.argv):
     quiet_native_logs()
+
+
+def runs_on_cpu(environ: MutableMapping[str, str] = os.environ,
+                tpu: Optional[Callable[[], bool]] = None) -> bool:
+  """Returns whether jax will run on the CPU: JAX_PLATFORMS is "cpu", or unset with
+  neither a TPU nor a GPU attached."""
+  if environ.get("JAX_PLATFORMS"):
+    return environ["JAX_PLATFORMS"].strip().lower() == "cpu"
+  return not any(os.path.exists(p) for p in _GPU_DEVICE_FILES) and not (
+      tpu or tpu_attached)()
