@@ -26,6 +26,13 @@ and end goes in the header and in every JSON row: a ratio is only as good as the
 machine was quiet. A ratio under 1 means the dense baseline is not the fastest dense
 program, not that the MoE layer is free; the peak fraction tells which.
 Peak bytes: temp + argument bytes of the compiled program (`memory_analysis()`).
+The `experts_floor` row is not a dispatcher: it times the experts' products alone
+on perfectly balanced rows (tokens x top_k / E each, no router, no dispatch, no
+combine, one batched einsum per weight) against the same dense baseline. It is
+the floor of any path that runs each expert's MLP as products of its own rows: a
+dispatcher's ratio minus the floor's is what routing, data movement and imbalance
+cost; the floor's own ratio above 1 is what this backend loses on products of
+tokens x top_k / E rows against the dense MLP's one product of all tokens.
 `capacity_factor` counts per routed choice (MaxText's convention: buffers hold cf x
 tokens x top_k / E rows per expert; the library's `MoeConfig.capacity_factor_train`
 is per token, so it gets cf x top_k); dropless rows have capacity_factor None and no
@@ -57,6 +64,7 @@ from openmoe_jax.layers.mlp import Mlp  # noqa: E402
 from openmoe_jax.moe.dispatch import (AutoDispatcher, BlockDispatcher,  # noqa: E402
                                       EinsumDispatcher, RaggedDispatcher,
                                       SortDispatcher)
+from openmoe_jax.moe.dispatch.base import ExpertWeights, expert_mlp  # noqa: E402
 from openmoe_jax.moe.layer import MoeLayer  # noqa: E402
 from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter  # noqa: E402
 
@@ -77,9 +85,13 @@ DISPATCHERS = {  # name: (dispatcher, dropless)
     "block_dropless": (BlockDispatcher(), True),
     "auto": (AutoDispatcher(), False),
 }
+# Not a dispatcher: the experts' products alone, on perfectly balanced rows (no
+# router, no dispatch, no combine), one batched product per weight: the floor of
+# any dispatcher that runs each expert's MLP as its own products (`floor_problem`).
+FLOOR = "experts_floor"
 DEFAULT_DISPATCHERS = ("einsum", "sort", "ragged_padded_cf", "block_cf",
-                       "ragged_padded_dropless", "block_dropless")
-SWEEP_DISPATCHERS = ("einsum", "sort", "block_cf", "block_dropless")
+                       "ragged_padded_dropless", "block_dropless", FLOOR)
+SWEEP_DISPATCHERS = ("einsum", "sort", "block_cf", "block_dropless", FLOOR)
 SWEEP_BASE = (512, 512, 64, 2, 4096)  # (d_model, d_ff, experts, top_k, tokens)
 SWEEP_TOKENS = (1024, 2048, 4096, 8192, 16384)  # at the base's E
 SWEEP_EXPERTS = (16, 32, 64, 128, 256)  # at the base's tokens
@@ -141,6 +153,33 @@ def moe_problem(shape, dispatcher: str, dtype: Any = jnp.float32):
   return _fwd_bwd(layer, train=True), params, x_btd, ct_btd
 
 
+def floor_problem(shape, dtype: Any = jnp.float32):
+  """Returns (loss_and_grads, weights, x, ct) of the `FLOOR` path: E swiglu experts
+  of width d_ff, each on exactly tokens x top_k / E rows of its own ([E, r, d]
+  inputs and cotangent), through `expert_mlp` (one batched einsum per weight):
+  the same useful FLOPs as the dense MLP, none of the routing's work or imbalance."""
+  d_model, d_ff, experts, top_k, tokens = shape
+  if tokens * top_k % experts:
+    raise ValueError(f"{FLOOR}: tokens x top_k = {tokens * top_k} is not a multiple "
+                     f"of E = {experts}")
+  rows = tokens * top_k // experts
+  keys = jax.random.split(jax.random.PRNGKey(3), 5)
+  normal = lambda key, shape, fan_in: (jax.random.normal(key, shape, jnp.float32)
+                                       * fan_in ** -0.5)
+  weights = ExpertWeights(
+      wi_0=normal(keys[0], (experts, d_model, d_ff), d_model).astype(dtype),
+      wi_1=normal(keys[1], (experts, d_model, d_ff), d_model).astype(dtype),
+      wo=normal(keys[2], (experts, d_ff, d_model), d_ff).astype(dtype), kind="swiglu")
+  x_end = jax.random.normal(keys[3], (experts, rows, d_model), dtype)
+  ct_end = jax.random.normal(keys[4], (experts, rows, d_model), dtype)
+
+  def loss(weights, x_end, ct_end):
+    y_end = expert_mlp(weights, x_end)
+    return jnp.sum(y_end.astype(jnp.float32) * ct_end.astype(jnp.float32))
+
+  return jax.value_and_grad(loss, argnums=(0, 1)), weights, x_end, ct_end
+
+
 def useful_flops(shape, dense: bool) -> float:
   """Returns the analytic fwd+bwd FLOPs of one step (flops.py's convention, 6 per
   matmul parameter per token): the dense MLP of width top_k x d_ff, or top_k
@@ -169,6 +208,11 @@ def compile_paths(shape, dispatchers: Sequence[str], dtype: Any = jnp.float32):
   paths = {"dense": (lambda c=compiled, p=params: c(p, x_btd, ct_btd), peak, counted)}
   shared = None
   for dispatcher in dispatchers:
+    if dispatcher == FLOOR:
+      fn, weights, x_end, ct_end = floor_problem(shape, dtype)
+      compiled, peak, counted = timing.compile_fn(fn, weights, x_end, ct_end)
+      paths[FLOOR] = (lambda c=compiled: c(weights, x_end, ct_end), peak, counted)
+      continue
     fn, params, _, _ = moe_problem(shape, dispatcher, dtype)
     if shared is not None and _same_tree(shared, params):
       params = shared
@@ -191,7 +235,8 @@ def time_shape(config: str, shape, dispatchers: Sequence[str], rounds: int = 5,
                            rounds, warmup)
   rows = []
   for dispatcher, (dense, ms) in times.items():
-    cf = None if DISPATCHERS[dispatcher][1] else CAPACITY_FACTOR
+    floor = dispatcher == FLOOR
+    cf = None if floor or DISPATCHERS[dispatcher][1] else CAPACITY_FACTOR
     ratios = timing.per_round_ratios(ms, dense)
     rows.append({
         "config": config, "dispatcher": dispatcher, "tokens": tokens,
@@ -199,7 +244,7 @@ def time_shape(config: str, shape, dispatchers: Sequence[str], rounds: int = 5,
         "capacity_factor": cf, "dtype": jnp.dtype(dtype).name, "rounds": rounds,
         **timing.spread(ms, "ms"), **timing.spread(dense, "dense_ms"),
         **timing.spread(ratios, "ratio_to_dense"),
-        "useful_flops": useful_flops(shape, dense=False),
+        "useful_flops": useful_flops(shape, dense=floor),
         "dense_useful_flops": useful_flops(shape, dense=True),
         "flops_source": "analytic",
         "compiled_flops": paths[dispatcher][2],
@@ -294,7 +339,7 @@ def main(argv=None):
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   parser.add_argument("--configs", default=",".join(CONFIGS))
   parser.add_argument("--dispatchers", default=None,
-                      help=f"from {sorted(DISPATCHERS)}")
+                      help=f"from {sorted(DISPATCHERS) + [FLOOR]}")
   parser.add_argument("--max_einsum_elements", type=int, default=1 << 28)
   args = parser.parse_args(argv)
   if args.sweep:

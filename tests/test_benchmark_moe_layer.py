@@ -105,11 +105,39 @@ def test_dense_baseline_has_the_active_width_and_computes_a_swiglu_mlp(bench):
   np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
+def test_floor_is_each_expert_on_its_own_balanced_rows(bench):
+  """The floor path: expert e's swiglu MLP on its tokens x top_k / E rows, nothing
+  else (checked per expert in float64 NumPy, values and input gradient)."""
+  d_model, d_ff, experts, top_k, tokens = SHAPE
+  fn, weights, x_end, ct_end = bench.floor_problem(SHAPE)
+  rows = tokens * top_k // experts
+  assert x_end.shape == ct_end.shape == (experts, rows, d_model)
+  assert weights.wi_0.shape == (experts, d_model, d_ff)
+  assert weights.wo.shape == (experts, d_ff, d_model)
+  value, (_, dx_end) = jax.jit(fn)(weights, x_end, ct_end)
+  f64 = lambda a: np.asarray(a, np.float64)
+  silu = lambda h: h / (1 + np.exp(-h))
+  want, want_dx = 0.0, []
+  for e in range(experts):
+    x, ct = f64(x_end[e]), f64(ct_end[e])
+    w0, w1, wo = f64(weights.wi_0[e]), f64(weights.wi_1[e]), f64(weights.wo[e])
+    h0, h1 = x @ w0, x @ w1
+    want += np.sum((silu(h0) * h1) @ wo * ct)
+    da = ct @ wo.T
+    sig = 1 / (1 + np.exp(-h0))
+    dh0 = da * h1 * (sig + h0 * sig * (1 - sig))
+    want_dx.append(dh0 @ w0.T + (da * silu(h0)) @ w1.T)
+  np.testing.assert_allclose(value, want, rtol=1e-5)
+  np.testing.assert_allclose(dx_end, np.stack(want_dx), rtol=1e-4, atol=1e-5)
+  with pytest.raises(ValueError, match="not a multiple of E"):
+    bench.floor_problem((16, 32, 16, 1, 8))
+
+
 def test_time_shape_smoke(bench):
   """Smoke test: rows have their keys and the shape's values; timings and peak bytes
   are machine-dependent, so only their sign and their consistency are checked."""
   shape = (16, 32, 4, 2, 64)
-  dispatchers = ["sort", "ragged_padded_dropless"]
+  dispatchers = ["sort", "ragged_padded_dropless", bench.FLOOR]
   rows = bench.time_shape("micro", shape, dispatchers, rounds=3, warmup=1)
   rows = bench.finish_rows(rows, 2e9, 1e9, [1.0, 2.0, 3.0], None)
   assert [r["dispatcher"] for r in rows] == dispatchers
@@ -121,15 +149,18 @@ def test_time_shape_smoke(bench):
     assert row["peak_bytes"] > 0
     assert (row["tokens"], row["experts"], row["top_k"], row["d_model"], row["d_ff"]) == (
         64, 4, 2, 16, 32)
-    assert row["capacity_factor"] == (None if row["dispatcher"].endswith("dropless")
-                                      else bench.CAPACITY_FACTOR)
+    floor = row["dispatcher"] == bench.FLOOR
+    assert row["capacity_factor"] == (
+        None if floor or row["dispatcher"].endswith("dropless")
+        else bench.CAPACITY_FACTOR)
     assert (row["ratio_to_dense_min"] <= row["ratio_to_dense"]
             <= row["ratio_to_dense_max"])
     # Per-round ratios bracket the ratio of the extreme times.
     assert row["ratio_to_dense_min"] <= row["ms_max"] / row["dense_ms_min"] + 1e-3
     assert row["ratio_to_dense_max"] >= row["ms_min"] / row["dense_ms_max"] - 1e-3
-    # 6 x tokens x (k x 3 d f + d E) and 6 x tokens x 3 d (k f), counted by hand.
-    assert row["useful_flops"] == 6 * 64 * (2 * 3 * 16 * 32 + 16 * 4)
+    # 6 x tokens x (k x 3 d f + d E) and 6 x tokens x 3 d (k f), counted by hand;
+    # the floor has no router.
+    assert row["useful_flops"] == 6 * 64 * (2 * 3 * 16 * 32 + (0 if floor else 16 * 4))
     assert row["dense_useful_flops"] == 6 * 64 * 3 * 16 * 64
     # Fractions of the higher of the two peaks.
     assert row["peak_fraction"] == pytest.approx(

@@ -11,6 +11,7 @@ from openmoe_jax.config import ModelConfig, MoeConfig
 from openmoe_jax.model import Decoder
 from openmoe_jax.moe.dispatch import (AutoDispatcher, BlockDispatcher, EinsumDispatcher,
                                       RaggedDispatcher, SortDispatcher)
+from openmoe_jax.moe.dispatch import block
 from openmoe_jax.moe.layer import MoeLayer, dispatcher_of
 from openmoe_jax.moe.routers_expert_choice import ExpertChoiceRouter
 from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter
@@ -131,3 +132,27 @@ def test_dispatchers_agree_inside_the_scanned_decoder():
     got = loss_and_grads(dispatcher)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_block_chunk_size_follows_the_mean_rows_per_expert(monkeypatch):
+  """`BlockDispatcher()` chunks by `chunk_rows` of the static mean kept rows per
+  expert (largest power of two <= half of it, in [128, 512]); an explicit `big`
+  wins."""
+  assert [block.chunk_rows(m) for m in (1, 128, 255, 256, 512, 700, 1024, 4096)] == [
+      128, 128, 128, 128, 256, 256, 512, 512]
+  seen = []
+  real = block.chunked_expert_ffn
+  monkeypatch.setattr(block, "chunked_expert_ffn",
+                      lambda *args: seen.append(args[7]) or real(*args))
+  x_btd = jax.random.normal(jax.random.PRNGKey(0), (4, 512, D))
+  # Dropless top-2 over 2048 tokens and 4 experts: 1024 rows per expert -> 512;
+  # capacity 1.0 per token: 512 slots per expert -> 256.
+  for router, cf, big, want in [(TokenChoiceRouter(dropless=True), 1.0, None, 512),
+                                (TokenChoiceRouter(), 1.0, None, 256),
+                                (TokenChoiceRouter(), 1.0, 32, 32)]:
+    cfg = MoeConfig(num_experts=4, top_k=2, group_size=2048, router=router,
+                    capacity_factor_train=cf, dispatcher=BlockDispatcher(big=big))
+    layer = MoeLayer(cfg, "swiglu", D_FF)
+    params = layer.init(jax.random.PRNGKey(1), x_btd, train=True)
+    layer.apply(params, x_btd, train=True)
+    assert seen.pop().big == want

@@ -77,6 +77,12 @@ def _read(path: str) -> str:
     return ""
 
 
+def accelerator_attached(tpu: Optional[Callable[[], bool]] = None) -> bool:
+  """Returns whether a GPU (an NVIDIA or ROCm device file) or a TPU (`tpu`, default
+  `tpu_attached`; not asked when a GPU is found) is attached to this host."""
+  return any(os.path.exists(p) for p in _GPU_DEVICE_FILES) or (tpu or tpu_attached)()
+
+
 def pick_platform(environ: MutableMapping[str, str] = os.environ,
                   libtpu_installed: Optional[bool] = None,
                   tpu: Optional[Callable[[], bool]] = None) -> Optional[str]:
@@ -88,9 +94,7 @@ def pick_platform(environ: MutableMapping[str, str] = os.environ,
   if libtpu_installed is None:
     libtpu_installed = bool(environ.get("TPU_LIBRARY_PATH")) or (
         importlib.util.find_spec("libtpu") is not None)
-  if not libtpu_installed or any(os.path.exists(p) for p in _GPU_DEVICE_FILES):
-    return None
-  if (tpu or tpu_attached)():
+  if not libtpu_installed or accelerator_attached(tpu):
     return None
   environ["JAX_PLATFORMS"] = "cpu"
   return "cpu"
@@ -202,5 +206,4 @@ def runs_on_cpu(environ: MutableMapping[str, str] = os.environ,
   neither a TPU nor a GPU attached."""
   if environ.get("JAX_PLATFORMS"):
     return environ["JAX_PLATFORMS"].strip().lower() == "cpu"
-  return not any(os.path.exists(p) for p in _GPU_DEVICE_FILES) and not (
-      tpu or tpu_attached)()
+  return not accelerator_attached(tpu)

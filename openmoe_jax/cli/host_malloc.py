@@ -7,8 +7,10 @@ to the kernel), so every step touches new pages and the kernel zero-fills each o
 in the quickstart 1.6M page faults in 13 steps, 0.80 s per step. One arena, no mmap
 for large blocks and no trimming of the heap's top keep the freed memory mapped for
 the next step: 0.57M page faults, 0.64 s per step (measured on a 2-core AVX-512 CPU,
-same process otherwise). The cost is that the process keeps its high-water memory
-(2.8 instead of 2.2 GB peak RSS for the quickstart).
+same process otherwise). The cost is that the process keeps its high-water memory:
+peak RSS 2.8 instead of 2.2 GB for the bare quickstart train step (those 13 steps
+on synthetic tokens), 4.8 instead of 2.4 GB for the whole quickstart run (its data
+pipeline, evaluation and checkpoints included; the README's figure).
 
 `reuse_freed_memory` applies them with mallopt(3) before jax is imported, in the
 library's programs when the run is on the CPU (`openmoe_jax/__init__.py` ->

@@ -32,8 +32,9 @@ that tensor is small. Sort took 0.56x einsum's time at 1024 tokens, E 8 (s E C =
 1/6 at E 64 and 256; at 512 tokens, E 16 (0.65M) einsum was faster (158 vs 188 ms),
 and at the quickstart's 256 tokens, E 8 (0.16M) the two were within the noise (in
 the quickstart's whole train step sort was 2.6% faster, and runs/quickstart.gin
-picks it). The block path computes only the kept
-choices (no empty capacity slots) in row chunks of up to 128: at 4096 tokens it took
+picks it). The block path computes only the kept choices (no empty capacity
+slots) in row chunks (`block.chunk_rows`; these numbers with 128 rows): at 4096
+tokens it took
 0.95x / 0.95x / 0.82x of sort's time at (E 16, k 2) / (E 64, k 2) / (E 256, k 8)
 (512, 128 and 128 choices per expert) and 0.88x / 0.72x / 0.62x of the padded
 ragged path's for dropless routing; with 32 or 64 choices per expert its chunks are
