@@ -32,7 +32,9 @@ combine, one batched einsum per weight) against the same dense baseline. It is
 the floor of any path that runs each expert's MLP as products of its own rows: a
 dispatcher's ratio minus the floor's is what routing, data movement and imbalance
 cost; the floor's own ratio above 1 is what this backend loses on products of
-tokens x top_k / E rows against the dense MLP's one product of all tokens.
+tokens x top_k / E rows against the dense MLP's one product of all tokens. The
+`router_only` row (`RouterOnly`) times the router alone with capacity routing:
+logits, gates, top-k and slots, forward and backward, no expert.
 `capacity_factor` counts per routed choice (MaxText's convention: buffers hold cf x
 tokens x top_k / E rows per expert; the library's `MoeConfig.capacity_factor_train`
 is per token, so it gets cf x top_k); dropless rows have capacity_factor None and no
@@ -45,6 +47,7 @@ E 64, k 2), then E 16 -> 256 at 4096 tokens (d 512, f 512, k 2); rows are named
 exceed `--max_einsum_elements` are skipped (a note goes to stderr).
 """
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -89,8 +92,11 @@ DISPATCHERS = {  # name: (dispatcher, dropless)
 # router, no dispatch, no combine), one batched product per weight: the floor of
 # any dispatcher that runs each expert's MLP as its own products (`floor_problem`).
 FLOOR = "experts_floor"
+# Not a dispatcher either: the router alone (`RouterOnly`), fwd+bwd of its logits,
+# gates, top-k and slots with capacity routing, no expert computed.
+ROUTER = "router_only"
 DEFAULT_DISPATCHERS = ("einsum", "sort", "ragged_padded_cf", "block_cf",
-                       "ragged_padded_dropless", "block_dropless", FLOOR)
+                       "ragged_padded_dropless", "block_dropless", FLOOR, ROUTER)
 SWEEP_DISPATCHERS = ("einsum", "sort", "block_cf", "block_dropless", FLOOR)
 SWEEP_BASE = (512, 512, 64, 2, 4096)  # (d_model, d_ff, experts, top_k, tokens)
 SWEEP_TOKENS = (1024, 2048, 4096, 8192, 16384)  # at the base's E
@@ -137,11 +143,25 @@ def dense_problem(shape, dtype: Any = jnp.float32):
   return _fwd_bwd(mlp), params, x_btd, ct_btd
 
 
+@dataclasses.dataclass(frozen=True)
+class RouterOnly:
+  """A dispatcher that runs no expert: y = x x (sum of the token's kept gates), so
+  the router's forward and backward run and nothing else (the `ROUTER` row)."""
+
+  def __call__(self, x_gsd, routing, weights):
+    del weights
+    gates_gs1 = jnp.sum(routing.gates, axis=-1, keepdims=True)
+    return x_gsd * gates_gs1.astype(x_gsd.dtype)
+
+
 def moe_problem(shape, dispatcher: str, dtype: Any = jnp.float32):
   """Returns (loss_and_grads, params, x, ct) of the MoE layer of `shape` with
-  `dispatcher`: one group of all tokens, train mode, `dtype` compute and inputs."""
+  `dispatcher` (or `ROUTER`): one group of all tokens, train mode, `dtype` compute
+  and inputs. For `ROUTER` only the router's gradient is returned (the unused
+  experts' gradient would be zeros; jit drops it instead of writing it)."""
   d_model, d_ff, experts, top_k, tokens = shape
-  engine, dropless = DISPATCHERS[dispatcher]
+  engine, dropless = ((RouterOnly(), False) if dispatcher == ROUTER
+                      else DISPATCHERS[dispatcher])
   cf = None if dropless else CAPACITY_FACTOR
   router = TokenChoiceRouter(dropless=dropless)
   cfg = MoeConfig(num_experts=experts, top_k=top_k, group_size=tokens,
@@ -150,7 +170,15 @@ def moe_problem(shape, dispatcher: str, dtype: Any = jnp.float32):
   x_btd, ct_btd = _inputs(d_model, tokens, dtype)
   layer = MoeLayer(cfg, "swiglu", d_ff, dtype=dtype)
   params = nn.unbox(layer.init(jax.random.PRNGKey(2), x_btd, train=True))
-  return _fwd_bwd(layer, train=True), params, x_btd, ct_btd
+  full = _fwd_bwd(layer, train=True)
+  if dispatcher != ROUTER:
+    return full, params, x_btd, ct_btd
+
+  def router_grads(params, x_btd, ct_btd):
+    value, (grads, dx_btd) = full(params, x_btd, ct_btd)
+    return value, (grads["params"]["router"], dx_btd)
+
+  return router_grads, params, x_btd, ct_btd
 
 
 def floor_problem(shape, dtype: Any = jnp.float32):
@@ -180,15 +208,16 @@ def floor_problem(shape, dtype: Any = jnp.float32):
   return jax.value_and_grad(loss, argnums=(0, 1)), weights, x_end, ct_end
 
 
-def useful_flops(shape, dense: bool) -> float:
+def useful_flops(shape, dense: bool, experts: bool = True) -> float:
   """Returns the analytic fwd+bwd FLOPs of one step (flops.py's convention, 6 per
   matmul parameter per token): the dense MLP of width top_k x d_ff, or top_k
-  experts of width d_ff plus the d x E router per token."""
-  d_model, d_ff, experts, top_k, tokens = shape
+  experts of width d_ff plus the d x E router per token (the router alone without
+  `experts`)."""
+  d_model, d_ff, num_experts, top_k, tokens = shape
   if dense:
     return 6.0 * tokens * flops.mlp_matmul_params("swiglu", d_model, top_k * d_ff)
-  per_token = (top_k * flops.mlp_matmul_params("swiglu", d_model, d_ff)
-               + d_model * experts)
+  per_token = (top_k * flops.mlp_matmul_params("swiglu", d_model, d_ff) * experts
+               + d_model * num_experts)
   return 6.0 * tokens * per_token
 
 
@@ -235,8 +264,9 @@ def time_shape(config: str, shape, dispatchers: Sequence[str], rounds: int = 5,
                            rounds, warmup)
   rows = []
   for dispatcher, (dense, ms) in times.items():
-    floor = dispatcher == FLOOR
-    cf = None if floor or DISPATCHERS[dispatcher][1] else CAPACITY_FACTOR
+    floor, router = dispatcher == FLOOR, dispatcher == ROUTER
+    cf = (None if floor or (not router and DISPATCHERS[dispatcher][1])
+          else CAPACITY_FACTOR)
     ratios = timing.per_round_ratios(ms, dense)
     rows.append({
         "config": config, "dispatcher": dispatcher, "tokens": tokens,
@@ -244,7 +274,7 @@ def time_shape(config: str, shape, dispatchers: Sequence[str], rounds: int = 5,
         "capacity_factor": cf, "dtype": jnp.dtype(dtype).name, "rounds": rounds,
         **timing.spread(ms, "ms"), **timing.spread(dense, "dense_ms"),
         **timing.spread(ratios, "ratio_to_dense"),
-        "useful_flops": useful_flops(shape, dense=floor),
+        "useful_flops": useful_flops(shape, dense=floor, experts=not router),
         "dense_useful_flops": useful_flops(shape, dense=True),
         "flops_source": "analytic",
         "compiled_flops": paths[dispatcher][2],
@@ -339,7 +369,7 @@ def main(argv=None):
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   parser.add_argument("--configs", default=",".join(CONFIGS))
   parser.add_argument("--dispatchers", default=None,
-                      help=f"from {sorted(DISPATCHERS) + [FLOOR]}")
+                      help=f"from {sorted(DISPATCHERS) + [FLOOR, ROUTER]}")
   parser.add_argument("--max_einsum_elements", type=int, default=1 << 28)
   args = parser.parse_args(argv)
   if args.sweep:

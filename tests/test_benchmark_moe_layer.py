@@ -133,11 +133,36 @@ def test_floor_is_each_expert_on_its_own_balanced_rows(bench):
     bench.floor_problem((16, 32, 16, 1, 8))
 
 
+def test_router_only_row_runs_the_router_and_no_expert(bench):
+  """`router_only`: y = x x (sum of the kept gates), capacity routing as the oracle
+  serves it; only the router's gradient comes back."""
+  d_model, d_ff, experts, top_k, tokens = SHAPE
+  fn, params, x_btd, ct_btd = bench.moe_problem(SHAPE, bench.ROUTER)
+  value, (router_grads, dx_btd) = jax.jit(fn)(params, x_btd, ct_btd)
+  assert jax.tree.structure(router_grads) == jax.tree.structure(
+      params["params"]["router"])
+  capacity = round(bench.CAPACITY_FACTOR * tokens * top_k / experts)
+  w = params["params"]["router"]["w"]
+  expert_nk, kept_nk = _routing(np.asarray(jax.nn.softmax(x_btd[0] @ w)), top_k,
+                                capacity)
+  assert (~kept_nk).sum() > 0
+  mask_nke = jax.nn.one_hot(expert_nk, experts) * kept_nk[..., None]
+
+  def oracle(w, x_nd):
+    gates_n = jnp.einsum("nke,ne->n", mask_nke, jax.nn.softmax(x_nd @ w))
+    return jnp.sum(x_nd * gates_n[:, None] * ct_btd[0])
+
+  want, (want_dw, want_dx) = jax.value_and_grad(oracle, argnums=(0, 1))(w, x_btd[0])
+  np.testing.assert_allclose(value, want, rtol=1e-5)
+  np.testing.assert_allclose(router_grads["w"], want_dw, rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(dx_btd[0], want_dx, rtol=1e-4, atol=1e-6)
+
+
 def test_time_shape_smoke(bench):
   """Smoke test: rows have their keys and the shape's values; timings and peak bytes
   are machine-dependent, so only their sign and their consistency are checked."""
   shape = (16, 32, 4, 2, 64)
-  dispatchers = ["sort", "ragged_padded_dropless", bench.FLOOR]
+  dispatchers = ["sort", "ragged_padded_dropless", bench.FLOOR, bench.ROUTER]
   rows = bench.time_shape("micro", shape, dispatchers, rounds=3, warmup=1)
   rows = bench.finish_rows(rows, 2e9, 1e9, [1.0, 2.0, 3.0], None)
   assert [r["dispatcher"] for r in rows] == dispatchers
@@ -149,7 +174,8 @@ def test_time_shape_smoke(bench):
     assert row["peak_bytes"] > 0
     assert (row["tokens"], row["experts"], row["top_k"], row["d_model"], row["d_ff"]) == (
         64, 4, 2, 16, 32)
-    floor = row["dispatcher"] == bench.FLOOR
+    floor, router = (row["dispatcher"] == bench.FLOOR,
+                     row["dispatcher"] == bench.ROUTER)
     assert row["capacity_factor"] == (
         None if floor or row["dispatcher"].endswith("dropless")
         else bench.CAPACITY_FACTOR)
@@ -159,8 +185,9 @@ def test_time_shape_smoke(bench):
     assert row["ratio_to_dense_min"] <= row["ms_max"] / row["dense_ms_min"] + 1e-3
     assert row["ratio_to_dense_max"] >= row["ms_min"] / row["dense_ms_max"] - 1e-3
     # 6 x tokens x (k x 3 d f + d E) and 6 x tokens x 3 d (k f), counted by hand;
-    # the floor has no router.
-    assert row["useful_flops"] == 6 * 64 * (2 * 3 * 16 * 32 + (0 if floor else 16 * 4))
+    # the floor has no router, the router row no expert.
+    assert row["useful_flops"] == 6 * 64 * ((0 if router else 2 * 3 * 16 * 32)
+                                            + (0 if floor else 16 * 4))
     assert row["dense_useful_flops"] == 6 * 64 * 3 * 16 * 64
     # Fractions of the higher of the two peaks.
     assert row["peak_fraction"] == pytest.approx(
