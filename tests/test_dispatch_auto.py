@@ -26,11 +26,13 @@ def test_choice_per_platform_and_size():
     assert auto.choose(256, 8, expert_capacity(256, 8, cf, 4), 2) == EinsumDispatcher()
   base_capacity = expert_capacity(4096, 16, 1.25, 4)  # OpenMoE-Base's layer
   assert auto.choose(4096, 16, base_capacity, 2) == BlockDispatcher()  # 512 per expert
-  # E above the einsum limit: block from 128 choices per expert (over all groups).
-  assert auto.choose(4096, 64, 160, 2) == BlockDispatcher()
-  assert auto.choose(1024, 64, 40, 2) == SortDispatcher()
-  assert auto.choose(1024, 64, 40, 2, num_groups=4) == BlockDispatcher()
-  assert auto.choose(4096, 256, 160, 8) == BlockDispatcher()  # OpenMoE 2's fine experts
+  # E above the einsum limit: block from 256 choices per expert (over all groups).
+  assert auto.choose(8192, 64, 320, 2) == BlockDispatcher()  # 256 per expert
+  assert auto.choose(4096, 64, 160, 2) == SortDispatcher()  # 128 per expert
+  assert auto.choose(2048, 64, 80, 2, num_groups=4) == BlockDispatcher()
+  assert auto.choose(2048, 64, 80, 2, num_groups=2) == SortDispatcher()
+  assert auto.choose(4096, 256, 160, 8) == SortDispatcher()  # OpenMoE 2's fine experts
+  assert auto.choose(8192, 256, 320, 8) == BlockDispatcher()
   assert auto.choose(4096, 256, 40, 2) == SortDispatcher()
   assert auto.choose(4096, 64, 4096, 2) == BlockDispatcher()  # dropless
   assert auto.choose(1024, 256, 1024, 2) == BlockDispatcher()  # dropless, 8 per expert
@@ -47,7 +49,7 @@ def test_choice_per_platform_and_size():
     assert auto.choose(1024, 64, 40, 2) == SortDispatcher()
     assert auto.choose(4096, 64, 4096, 2) == RaggedDispatcher("padded")
   with partitioning.activate(data_mesh):
-    assert auto.choose(4096, 64, 160, 2) == BlockDispatcher()
+    assert auto.choose(8192, 64, 320, 2) == BlockDispatcher()
   with compile_target("TPU v5p"):
     with partitioning.activate(expert_mesh):
       assert auto.choose(256, 8, 40, 2) == AllToAllDispatcher(buffer_dispatcher=SortDispatcher())

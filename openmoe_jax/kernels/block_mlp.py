@@ -25,10 +25,12 @@ Each expert's weights are sliced once (outer loop over experts); a chunk gathers
 token rows, runs the products (wi_0, wi_1, the gate, wo) back to back on rows in
 cache and scatter-adds its gate-weighted outputs to the tokens, so no [rows, d]
 copy of the inputs and no [tokens, k, d] gather of the outputs exists. The forward
-keeps the rows' outputs and hidden activations for the backward, which gathers each
-chunk's output cotangent from the tokens, gives the gates their gradient (output
-row . cotangent), scatter-adds the input gradient to the tokens, and accumulates the
-weight gradients in a per-expert [d, f] carry written once.
+keeps only the rows' hidden activations (h0, h1) for the backward, which gathers
+each chunk's output cotangent from the tokens, gives the gates their gradient (the
+output row . its cotangent, computed as a . (cotangent @ wo^T), the product that
+gives a its cotangent anyway, so the rows' outputs are not kept: d fewer values per
+row), scatter-adds the input gradient to the tokens, and accumulates the weight
+gradients in a per-expert [d, f] carry written once.
 """
 import functools
 from typing import NamedTuple
@@ -104,11 +106,10 @@ def _for_chunks(start, rows, sizes: ChunkSizes, step, state):
 
 
 def _forward(x_nd, source_p, gate_p, wi_0, wi_1, wo, layout, sizes, kind):
-  """Returns (out_nd, y_pd, h0_pf, h1_pf): the gate-weighted sum of each token's
-  rows, every row's expert output and the hidden activations the backward reads."""
-  p, d = source_p.shape[0], x_nd.shape[1]
-  state = (jnp.zeros_like(x_nd), jnp.zeros((p, d), x_nd.dtype),
-           jnp.zeros((p, wi_0.shape[-1]), x_nd.dtype),
+  """Returns (out_nd, h0_pf, h1_pf): the gate-weighted sum of each token's rows
+  and every row's hidden activations, which the backward reads."""
+  p = source_p.shape[0]
+  state = (jnp.zeros_like(x_nd), jnp.zeros((p, wi_0.shape[-1]), x_nd.dtype),
            jnp.zeros((p, wi_1.shape[-1]), x_nd.dtype))
 
   def expert(e, state):
@@ -116,7 +117,7 @@ def _forward(x_nd, source_p, gate_p, wi_0, wi_1, wo, layout, sizes, kind):
     end = layout.start_e[e] + layout.rows_e[e]
 
     def step(size, row, state):
-      out_nd, y_pd, h0_pf, h1_pf = state
+      out_nd, h0_pf, h1_pf = state
       source_t = jax.lax.dynamic_slice_in_dim(source_p, row, size)
       x_td = x_nd[source_t]
       h0 = _dot(x_td, w0, ((1,), (0,))).astype(x_nd.dtype)
@@ -127,14 +128,14 @@ def _forward(x_nd, source_p, gate_p, wi_0, wi_1, wo, layout, sizes, kind):
                          jax.lax.dynamic_slice_in_dim(gate_p, row, size), 0)
       out_nd = out_nd.at[source_t].add(y_td * gate_t[:, None].astype(y_td.dtype))
       put = lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v, row, 0)
-      return out_nd, put(y_pd, y_td), put(h0_pf, h0), put(h1_pf, h1)
+      return out_nd, put(h0_pf, h0), put(h1_pf, h1)
 
     return _for_chunks(layout.start_e[e], layout.rows_e[e], sizes, step, state)
 
   return jax.lax.fori_loop(0, wo.shape[0], expert, state)
 
 
-def _backward(x_nd, source_p, gate_p, y_pd, h0_pf, h1_pf, dout_nd, wi_0, wi_1, wo,
+def _backward(x_nd, source_p, gate_p, h0_pf, h1_pf, dout_nd, wi_0, wi_1, wo,
               layout, sizes, kind):
   """Returns (dx_nd, dgate_p, dwi_0, dwi_1, dwo)."""
   def expert(state, expert_xs):
@@ -149,13 +150,15 @@ def _backward(x_nd, source_p, gate_p, y_pd, h0_pf, h1_pf, dout_nd, wi_0, wi_1, w
       x_td, h0, h1, dout_td = x_nd[source_t], take(h0_pf), take(h1_pf), dout_nd[source_t]
       # Rows past the expert's: no gradient here (their own expert writes theirs).
       mine_t = _owned(row, size, end)
-      dgate_t = jnp.where(mine_t, jnp.sum(take(y_pd).astype(jnp.float32)
-                                          * dout_td.astype(jnp.float32), axis=-1), 0)
       gate_t = jnp.where(mine_t, take(gate_p), 0)
       dy_td = dout_td * gate_t[:, None].astype(dout_td.dtype)
       a_tf, gate_vjp = jax.vjp(functools.partial(gated_hidden, kind), h0, h1)
       g2 = g2 + _dot(a_tf, dy_td, ((0,), (0,)))
-      dh0, dh1 = gate_vjp(_dot(dy_td, w2, ((1,), (1,))).astype(dy_td.dtype))
+      # The row's output y = a @ w2 is not kept: its gate's gradient y . dout is
+      # a . (dout @ w2^T), and dout @ w2^T x gate is a's cotangent.
+      da_tf = _dot(dout_td, w2, ((1,), (1,)))
+      dgate_t = jnp.where(mine_t, jnp.sum(a_tf.astype(jnp.float32) * da_tf, axis=-1), 0)
+      dh0, dh1 = gate_vjp((da_tf * gate_t[:, None]).astype(dy_td.dtype))
       g0 = g0 + _dot(x_td, dh0, ((0,), (0,)))
       g1 = g1 + _dot(x_td, dh1, ((0,), (0,)))
       dx_td = _dot(dh0, w0, ((1,), (1,))) + _dot(dh1, w1, ((1,), (1,)))
@@ -181,15 +184,15 @@ def _chunked_ffn(x_nd, source_p, gate_p, wi_0, wi_1, wo, layout, sizes, kind):
 
 
 def _chunked_ffn_fwd(x_nd, source_p, gate_p, wi_0, wi_1, wo, layout, sizes, kind):
-  out_nd, y_pd, h0_pf, h1_pf = _forward(x_nd, source_p, gate_p, wi_0, wi_1, wo,
-                                        layout, sizes, kind)
-  return out_nd, (x_nd, source_p, gate_p, y_pd, h0_pf, h1_pf, wi_0, wi_1, wo, layout)
+  out_nd, h0_pf, h1_pf = _forward(x_nd, source_p, gate_p, wi_0, wi_1, wo, layout,
+                                  sizes, kind)
+  return out_nd, (x_nd, source_p, gate_p, h0_pf, h1_pf, wi_0, wi_1, wo, layout)
 
 
 def _chunked_ffn_bwd(sizes, kind, res, dout_nd):
-  x_nd, source_p, gate_p, y_pd, h0_pf, h1_pf, wi_0, wi_1, wo, layout = res
+  x_nd, source_p, gate_p, h0_pf, h1_pf, wi_0, wi_1, wo, layout = res
   dx_nd, dgate_p, dwi_0, dwi_1, dwo = _backward(
-      x_nd, source_p, gate_p, y_pd, h0_pf, h1_pf, dout_nd.astype(x_nd.dtype), wi_0,
+      x_nd, source_p, gate_p, h0_pf, h1_pf, dout_nd.astype(x_nd.dtype), wi_0,
       wi_1, wo, layout, sizes, kind)
   no_grad = lambda tree: jax.tree.map(
       lambda a: jnp.zeros(a.shape, jax.dtypes.float0), tree)

@@ -42,6 +42,12 @@ small and each expert's weights are copied and its gradient written for few rows
 so sort was faster (1024 tokens, E 64: 173 vs 206 ms; 2048 tokens, E 64: 247 vs 276;
 4096 tokens, E 128 and E 256, k 2: 549 vs 559 and 741 vs 1196), while for dropless
 routing block stayed ahead of the padded ragged path (README, `--sweep`).
+`block_min_rows` is 256, not 128, since the same `--sweep` on a second 2-core
+machine (Intel Xeon with AVX-512, where the dense MLP runs faster: 133 against 214
+ms at 4096 tokens, d 512) put sort ahead of block up to 256 rows per expert (E 64:
+272 vs 315 ms at 128 rows, 546 vs 570 at 256) and block ahead only from 512 (869 vs
+944 ms at 16k tokens, E 64); on the first machine (AMD EPYC) the two were within 3%
+at 128 rows and block 6% ahead at 256, so 256 costs at most that there.
 Every choice serves exactly the kept choices of the routing, so the drop decisions
 do not depend on the pick; the numerics differ only in summation order.
 
@@ -86,7 +92,7 @@ class AutoDispatcher:
   einsum_max_experts: int = 16
   einsum_max_elements: int = 1 << 20  # s x E x C of the one-hot dispatch tensor
   ragged_buffer_ratio: float = 2.0  # E x C over s x k beyond which ragged serves
-  block_min_rows: int = 128  # mean rows per expert from which block beats sort
+  block_min_rows: int = 256  # mean rows per expert from which block picks over sort
 
   def choose(self, tokens_per_group: int, num_experts: int, capacity: int,
              choices: int, num_groups: int = 1) -> Dispatcher:
