@@ -1,23 +1,18 @@
 """benchmarks/expert_products.py: both sides of each pair compute the product they
 are named for (checked against per-expert NumPy), plus a smoke test of its rows."""
-import importlib.util
 import json
-import pathlib
 
 import numpy as np
 import pytest
 
-PATH = (pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
-        / "expert_products.py")
+import benchmark_modules
+
 ROWS, D, F, E = 5, 8, 6, 3
 
 
 @pytest.fixture(scope="module")
 def bench():
-  spec = importlib.util.spec_from_file_location("bench_expert_products", PATH)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return benchmark_modules.load("expert_products")
 
 
 def _expected(kind, args):

@@ -1,15 +1,14 @@
 """benchmarks/moe_layer.py: every path it times computes the same MoE layer (checked
 against an independent dense oracle), plus smoke tests of its rows and sweep."""
-import importlib.util
 import json
-import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-PATH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "moe_layer.py"
+import benchmark_modules
+
 KEYS = {"config", "dispatcher", "tokens", "experts", "top_k", "capacity_factor", "ms",
         "ms_min", "ms_max", "dense_ms", "dense_ms_min", "dense_ms_max", "rounds",
         "ratio_to_dense", "ratio_to_dense_min", "ratio_to_dense_max", "useful_flops",
@@ -23,10 +22,7 @@ SHAPE = (16, 32, 16, 2, 64)
 
 @pytest.fixture(scope="module")
 def bench():
-  spec = importlib.util.spec_from_file_location("bench_moe_layer", PATH)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return benchmark_modules.load("moe_layer")
 
 
 def _swiglu_enf(x_nd, wi_0, wi_1, wo):
