@@ -1,6 +1,7 @@
 """MoE layer forward+backward per dispatcher vs the dense gated MLP of equal active FLOPs.
 
 Usage: python benchmarks/moe_layer.py [--quick] [--json] [--rounds N] [--dispatchers a,b]
+       python benchmarks/moe_layer.py --shapes "d,f,E,k,tokens;..." [--dispatchers a,b]
        python benchmarks/moe_layer.py --sweep [--json]   (scaling in tokens and in E)
 
 Each row times `jax.jit(value_and_grad)` of the MoE layer (router + dispatch +
@@ -108,6 +109,25 @@ def sweep_shapes():
   d, f, experts, k, tokens = SWEEP_BASE
   rows = [("tokens_sweep", (d, f, experts, k, t)) for t in SWEEP_TOKENS]
   return rows + [("experts_sweep", (d, f, e, k, tokens)) for e in SWEEP_EXPERTS]
+
+
+def config_name(shape) -> str:
+  """Returns the row name of a (d_model, d_ff, experts, top_k, tokens) shape."""
+  d, f, experts, k, tokens = shape
+  return f"d{d}_f{f}_e{experts}_k{k}_t{tokens}"
+
+
+def parse_shapes(text: str):
+  """Returns the shapes of "d,f,E,k,tokens;..." (argparse type of --shapes)."""
+  try:
+    shapes = [tuple(int(v) for v in item.split(",")) for item in text.split(";")]
+  except ValueError as error:
+    raise argparse.ArgumentTypeError(f"{error}") from error
+  for shape in shapes:
+    if len(shape) != 5 or min(shape) < 1 or shape[3] > shape[2]:
+      raise argparse.ArgumentTypeError(
+          f"each shape is d,f,E,k,tokens (positive integers, k <= E), got {text!r}")
+  return shapes
 
 
 def einsum_elements(shape) -> int:
@@ -341,6 +361,10 @@ def run(shapes, dispatchers: Sequence[str], rounds: int, warmup: int,
         print(f"skip einsum at {config} {shape}: dispatch tensor of "
               f"{einsum_elements(shape)} elements", file=sys.stderr)
         continue
+      if dispatcher == FLOOR and shape[4] * shape[3] % shape[2]:
+        print(f"skip {FLOOR} at {config} {shape}: tokens x top_k is not a multiple "
+              "of E (its experts get equal rows)", file=sys.stderr)
+        continue
       chosen.append(dispatcher)
     print(f"timing {config} {shape}: dense, {', '.join(chosen)}", file=sys.stderr,
           flush=True)
@@ -367,17 +391,27 @@ def main(argv=None):
                       help="timed pairs (dense, path) per path (--runs: the old name)")
   parser.add_argument("--warmup", type=int, default=1, help="untimed rounds")
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-  parser.add_argument("--configs", default=",".join(CONFIGS))
+  parser.add_argument("--configs", default=",".join(CONFIGS),
+                      help=f"named configs, from {sorted(CONFIGS)}")
+  parser.add_argument("--shapes", type=parse_shapes, default=None,
+                      help='your own shapes instead of --configs: "d,f,E,k,tokens;..." '
+                      "(d_model, expert d_ff, experts, top_k, tokens)")
   parser.add_argument("--dispatchers", default=None,
                       help=f"from {sorted(DISPATCHERS) + [FLOOR, ROUTER]}")
   parser.add_argument("--max_einsum_elements", type=int, default=1 << 28)
   args = parser.parse_args(argv)
+  unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
+  if unknown:
+    parser.error(f"--configs: unknown {unknown}; one of {sorted(CONFIGS)}")
   if args.sweep:
     shapes = sweep_shapes()
     dispatchers = args.dispatchers or ",".join(SWEEP_DISPATCHERS)
   else:
-    shapes = [(c, CONFIGS[c][:4] + (QUICK_TOKENS,) if args.quick else CONFIGS[c])
-              for c in args.configs.split(",")]
+    shapes = ([(None, shape) for shape in args.shapes] if args.shapes
+              else [(c, CONFIGS[c]) for c in args.configs.split(",")])
+    if args.quick:
+      shapes = [(name, shape[:4] + (QUICK_TOKENS,)) for name, shape in shapes]
+    shapes = [(name or config_name(shape), shape) for name, shape in shapes]
     dispatchers = args.dispatchers or ",".join(DEFAULT_DISPATCHERS)
   rows, info = run(shapes, dispatchers.split(","), args.rounds, args.warmup,
                    args.max_einsum_elements, jnp.dtype(args.dtype))

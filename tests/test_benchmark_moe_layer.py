@@ -241,3 +241,21 @@ def test_sweep_prints_json_rows(bench, monkeypatch, capsys):
   assert [(r["config"], r["dispatcher"], r["tokens"], r["experts"]) for r in rows] == [
       ("tokens_sweep", "sort", 32, 4), ("experts_sweep", "sort", 64, 8)]
   assert out.err.count("skip einsum") == 2
+
+
+def test_own_shapes_name_their_rows_and_bad_ones_are_refused(bench, monkeypatch, capsys):
+  monkeypatch.setattr(bench.timing, "matmul_peak", lambda dtype: 1e9)
+  bench.main(["--json", "--rounds", "1", "--warmup", "0", "--shapes",
+              "16,32,4,2,64;16,32,6,2,64", "--dispatchers", f"sort,{bench.FLOOR}"])
+  out = capsys.readouterr()
+  rows = [json.loads(line) for line in out.out.splitlines()]
+  assert [(r["config"], r["dispatcher"], r["experts"], r["tokens"]) for r in rows] == [
+      ("d16_f32_e4_k2_t64", "sort", 4, 64), ("d16_f32_e4_k2_t64", bench.FLOOR, 4, 64),
+      ("d16_f32_e6_k2_t64", "sort", 6, 64)]
+  # 64 x 2 rows do not split evenly over 6 experts: no floor row, and a note says so.
+  assert f"skip {bench.FLOOR}" in out.err
+  for bad in (["--shapes", "16,32,4,2"], ["--shapes", "16,32,4,8,64"],
+              ["--shapes", "a,b,c,d,e"], ["--configs", "d1_f1_e1_k1"]):
+    with pytest.raises(SystemExit):
+      bench.main(bad)
+    assert "error" in capsys.readouterr().err
