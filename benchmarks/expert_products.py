@@ -13,9 +13,10 @@ the dense MLP runs):
 - `input_grad`:    dx[e] = dy[e] @ w[e]^T              vs  dy @ w^T
 - `weight_grad`:   dw[e] = x[e]^T @ dy[e] -> [E, d, f] vs  x^T @ dy -> [d, f]
 
-The weight gradient is where the two differ most: the experts' version writes E
+The weight gradient also differs in what it writes: the experts' version writes E
 [d, f] results (E times the bytes) from a contraction over r rows, the 2-D one a
-single [d, f] from E x r rows. Method (benchmarks/timing.py): both programs
+single [d, f] from E x r rows (docs/performance.md has measured ratios of all
+three). Method (benchmarks/timing.py): both programs
 compiled first, then `--rounds` pairs (2-D, batched) after one untimed pair;
 `ratio` is the median of the per-pair ratios batched / 2-D, `gflops` and
 `gflops_2d` the achieved rates at the median times. float32 on the CPU; the
@@ -28,7 +29,7 @@ import json
 import os
 import statistics
 import sys
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -84,18 +85,6 @@ def time_shape(rows: int, d: int, f: int, experts: int, rounds: int,
   return out
 
 
-def parse_shapes(text: str) -> Sequence[Tuple[int, int, int, int]]:
-  """Returns the shapes of "r,d,f,E;r,d,f,E;..."."""
-  try:
-    shapes = [tuple(int(v) for v in item.split(",")) for item in text.split(";")]
-  except ValueError as error:
-    raise argparse.ArgumentTypeError(f"--shapes: {error}") from error
-  if any(len(s) != 4 or min(s) < 1 for s in shapes):
-    raise argparse.ArgumentTypeError(
-        f"--shapes: each shape is rows,d,f,E (positive integers), got {text!r}")
-  return shapes
-
-
 def main(argv=None):
   if environment.runs_on_cpu():
     print(f"malloc: reuse freed memory {host_malloc.reuse_freed_memory()}",
@@ -103,7 +92,8 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--json", action="store_true", help="one JSON object per row")
   parser.add_argument("--rounds", type=int, default=7, help="timed pairs per product")
-  parser.add_argument("--shapes", type=parse_shapes, default=SHAPES,
+  parser.add_argument("--shapes", default=SHAPES,
+                      type=lambda text: timing.parse_shapes(text, ("rows", "d", "f", "E")),
                       help='"rows,d,f,E;..." (default: the layer benchmark\'s experts)')
   args = parser.parse_args(argv)
   load_start = timing.load_average()

@@ -119,14 +119,9 @@ def config_name(shape) -> str:
 
 def parse_shapes(text: str):
   """Returns the shapes of "d,f,E,k,tokens;..." (argparse type of --shapes)."""
-  try:
-    shapes = [tuple(int(v) for v in item.split(",")) for item in text.split(";")]
-  except ValueError as error:
-    raise argparse.ArgumentTypeError(f"{error}") from error
-  for shape in shapes:
-    if len(shape) != 5 or min(shape) < 1 or shape[3] > shape[2]:
-      raise argparse.ArgumentTypeError(
-          f"each shape is d,f,E,k,tokens (positive integers, k <= E), got {text!r}")
+  shapes = timing.parse_shapes(text, ("d", "f", "E", "k", "tokens"))
+  if any(shape[3] > shape[2] for shape in shapes):
+    raise argparse.ArgumentTypeError(f"top_k k must be at most E, got {text!r}")
   return shapes
 
 

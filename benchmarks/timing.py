@@ -12,6 +12,7 @@ with. Beside the ratio goes the achieved FLOP/s as a fraction of a matmul peak
 measured in the same process (`flops.measured_matmul_peak_flops`), and the load
 average, so a reader can tell a busy machine's numbers.
 """
+import argparse
 import os
 import statistics
 import time
@@ -87,3 +88,18 @@ def per_round_ratios(times: Sequence[float], base: Sequence[float]) -> List[floa
 def peak_fraction(flop: float, ms: float, peak_flops: float) -> float:
   """Returns the fraction of `peak_flops` achieved by `flop` FLOPs in `ms` ms."""
   return flop / (ms * 1e-3) / peak_flops
+
+
+def parse_shapes(text: str, fields: Sequence[str]) -> List[Tuple[int, ...]]:
+  """Returns the shapes of "a,b,...;a,b,..." (an argparse `type`): each shape has
+  one positive integer per name in `fields`."""
+  usage = ",".join(fields)
+  try:
+    shapes = [tuple(int(v) for v in item.split(",")) for item in text.split(";")]
+  except ValueError:
+    shapes = None
+  if not shapes or any(len(s) != len(fields) or min(s) < 1 for s in shapes):
+    raise argparse.ArgumentTypeError(
+        f"each shape is {usage} (positive integers), shapes separated by ';'; "
+        f"got {text!r}")
+  return shapes
