@@ -38,7 +38,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from benchmarks import moe_layer, timing  # noqa: E402
@@ -105,18 +104,6 @@ def layer_section(shapes, dispatchers, rounds: int, budget_s: float) -> Dict[str
           "seconds": round(time.perf_counter() - start, 1)}
 
 
-def synthetic_batch(cfg: ModelConfig, batch_size: int, length: int) -> Dict[str, Any]:
-  """Returns a packed-free causal LM batch of random tokens (every target counts)."""
-  rng = np.random.default_rng(0)
-  tokens = rng.integers(1, cfg.vocab_size, size=(batch_size, length)).astype(np.int32)
-  return {"decoder_input_tokens": tokens,
-          "decoder_target_tokens": np.roll(tokens, -1, 1),
-          "decoder_loss_weights": np.ones((batch_size, length), np.int32),
-          "decoder_segment_ids": np.ones((batch_size, length), np.int32),
-          "decoder_positions": np.broadcast_to(
-              np.arange(length, dtype=np.int32), (batch_size, length)).copy()}
-
-
 def default_dispatcher(cfg: ModelConfig, batch_tokens: int) -> str:
   """Returns the repr of the dispatcher AutoDispatcher picks for `cfg`'s MoE layers
   on this platform and the current mesh, in training."""
@@ -138,7 +125,7 @@ def train_section(cfg: ModelConfig, batch_size: int, length: int, max_steps: int
   mesh = partitioning.make_mesh(1 if on_cpu else None)
   devices = flops.peak_devices(mesh)
   counts = flops.model_flops_per_token(cfg, length, batch_tokens=batch_size * length)
-  batch = synthetic_batch(cfg, batch_size, length)
+  batch = timing.synthetic_batch(cfg.vocab_size, batch_size, length)
   with partitioning.activate(mesh):
     trainer = Trainer(Decoder(cfg), CausalLm(),
                       optax.inject_hyperparams(optax.adamw)(learning_rate=1e-4),

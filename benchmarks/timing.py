@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from openmoe_jax import flops
 
@@ -103,3 +104,16 @@ def parse_shapes(text: str, fields: Sequence[str]) -> List[Tuple[int, ...]]:
         f"each shape is {usage} (positive integers), shapes separated by ';'; "
         f"got {text!r}")
   return shapes
+
+
+def synthetic_batch(vocab_size: int, batch_size: int, length: int) -> Dict[str, Any]:
+  """Returns a causal LM batch of random tokens (one segment per row, every target
+  counts)."""
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(1, vocab_size, size=(batch_size, length)).astype(np.int32)
+  return {"decoder_input_tokens": tokens,
+          "decoder_target_tokens": np.roll(tokens, -1, 1),
+          "decoder_loss_weights": np.ones((batch_size, length), np.int32),
+          "decoder_segment_ids": np.ones((batch_size, length), np.int32),
+          "decoder_positions": np.broadcast_to(
+              np.arange(length, dtype=np.int32), (batch_size, length)).copy()}
