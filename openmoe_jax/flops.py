@@ -127,12 +127,18 @@ def model_flops_per_token(cfg: ModelConfig, sequence_length: int, *, train: bool
 
 
 def measured_matmul_peak_flops(dtype: Any = jnp.float32, size: int = 1024,
-                               reps: int = 5, budget_s: float = 1.5,
+                               reps: int = 30, budget_s: float = 1.5,
                                device: Optional[jax.Device] = None) -> float:
   """Returns the FLOP/s of the fastest of `reps` jitted [size, size] matmuls in
   `dtype` on `device` (default: the default device), 2 x size^3 FLOPs each; stops
   early once `budget_s` seconds of timing have passed (after two reps). Call it
-  outside `partitioning.activate` (jit refuses a one-device matmul in a mesh)."""
+  outside `partitioning.activate` (jit refuses a one-device matmul in a mesh).
+
+  30 reps (0.2 s on a 2-core CPU at 1024) rather than a handful: on a shared 2-core
+  Intel Xeon, 8 fresh processes measured 268-343 GFLOP/s with 5 reps and 316-358
+  with 40, and a low peak inflates the MFU divided by it (a quickstart run logged
+  MFU 0.73 against 240 GFLOP/s, the next one 0.54 against 324 at the same
+  tokens/s)."""
   device = device or jax.devices()[0]
   rng = np.random.default_rng(0)
   a, b = (jax.device_put(jnp.asarray(rng.standard_normal((size, size)), dtype), device)

@@ -133,6 +133,23 @@ def test_mfu_arithmetic():
                                   "train/hardware_flops_per_token": 4e6}
 
 
+def test_peak_calibration_times_many_reps(monkeypatch):
+  calls = []
+
+  def counting_jit(fn):
+    def run(a, b):
+      calls.append(1)
+      return fn(a, b)
+    return run
+
+  monkeypatch.setattr(flops.jax, "jit", counting_jit)
+  flops.measured_matmul_peak_flops(jnp.float32, size=64)
+  assert len(calls) == 1 + 30  # warm-up, then 30 timed (well within the budget)
+  calls.clear()
+  flops.measured_matmul_peak_flops(jnp.float32, size=64, reps=4, budget_s=0.0)
+  assert len(calls) == 1 + 2  # the budget is spent: stops after two timed reps
+
+
 def test_peak_calibration_and_sources():
   measured = flops.measured_matmul_peak_flops(jnp.float32, size=256)
   assert math.isfinite(measured) and measured > 0
