@@ -198,13 +198,26 @@ class TrainLoop:
       self.print_fn(f"{how}: stopped after step {final_step}; checkpoint saved in "
                     f"{self.ckpt.directory}/{final_step}. Run the same command again "
                     "to resume from it.")
-    # Windows that included compilation count only when no other window exists.
-    rates = self.steady_tokens_per_sec or self.all_tokens_per_sec
-    self.summary["tokens_per_sec"] = float(np.mean(rates)) if rates else None
-    if self.mfu_meter is not None:
-      rate = self.summary["tokens_per_sec"]
-      self.summary["mfu"] = None if rate is None else self.mfu_meter.mfu(rate)
+    self.summary.update(self._throughput())
     return self.summary
+
+  def _throughput(self) -> Dict[str, Any]:
+    """Returns the summary's throughput: `tokens_per_sec`, the mean of the log
+    windows' rates, and their median, min and max (`tokens_per_sec_median`, ...:
+    on a shared machine a few windows slowed by other work pull the mean down,
+    the median shows the typical window); `mfu` and `mfu_median` of the mean and
+    the median with an MFU meter. Windows that included compilation count only
+    when no other window exists. All None when no step ran."""
+    rates = self.steady_tokens_per_sec or self.all_tokens_per_sec
+    stats = {"tokens_per_sec": np.mean, "tokens_per_sec_median": np.median,
+             "tokens_per_sec_min": np.min, "tokens_per_sec_max": np.max}
+    result = {k: float(fn(rates)) if rates else None for k, fn in stats.items()}
+    if self.mfu_meter is not None:
+      for key, rate_key in (("mfu", "tokens_per_sec"),
+                            ("mfu_median", "tokens_per_sec_median")):
+        rate = result[rate_key]
+        result[key] = None if rate is None else self.mfu_meter.mfu(rate)
+    return result
 
   def _steps(self, state, start, train_steps, eval_every, log_every, progress, stop):
     """Runs the steps until train_steps or a stop signal; returns the last state.

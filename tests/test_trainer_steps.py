@@ -245,3 +245,28 @@ def _adam_state(opt_state):
   """Returns the ScaleByAdamState inside `opt_state`."""
   is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)
   return next(x for x in jax.tree.leaves(opt_state, is_leaf=is_adam) if is_adam(x))
+
+
+def test_summary_throughput_is_the_windows_mean_median_and_spread(monkeypatch):
+  from openmoe_jax import flops, train_loop  # pylint: disable=g-import-not-at-top
+  # A fake clock that only the data advances: windows of 2 steps (10 tokens each)
+  # take 4 s (the compile window, not counted), then 2 s, 8 s and 1 s.
+  seconds_per_batch = {1: 2.0, 2: 2.0, 3: 1.0, 4: 1.0, 5: 4.0, 6: 4.0, 7: 0.5, 8: 0.5}
+  clock = [100.0]
+  monkeypatch.setattr(train_loop.time, "perf_counter", lambda: clock[0])
+
+  def advance(i):
+    clock[0] += seconds_per_batch.get(i, 0.0)
+
+  loop, _ = _counting_loop(advance, [])
+  loop.mfu_meter = flops.MfuMeter(model_flops_per_token=1e6, hardware_flops_per_token=1e6,
+                                  peak_flops_per_sec=1e8, num_devices=1)
+  summary = loop.run(TrainState(jnp.zeros((), jnp.int32), {}, ()), train_steps=8,
+                     eval_every=1000, log_every=2)
+  rates = [20 / 2, 20 / 8, 20 / 1]  # tokens/s of the three steady windows
+  assert summary["tokens_per_sec"] == pytest.approx(sum(rates) / 3)
+  assert summary["tokens_per_sec_median"] == pytest.approx(10.0)
+  assert (summary["tokens_per_sec_min"], summary["tokens_per_sec_max"]) == (
+      pytest.approx(2.5), pytest.approx(20.0))
+  assert summary["mfu"] == pytest.approx(sum(rates) / 3 * 1e6 / 1e8)
+  assert summary["mfu_median"] == pytest.approx(10.0 * 1e6 / 1e8)

@@ -24,7 +24,8 @@ from openmoe_jax.trainer import train
 # Summary keys in print order; the losses are named as in metrics.jsonl:
 # `ce_loss` the cross-entropy, `loss` the cross-entropy plus the auxiliary losses.
 SUMMARY_KEYS = ("first_eval_ce_loss", "last_eval_ce_loss", "last_train_loss",
-                "last_train_ce_loss", "tokens_per_sec", "mfu", "final_step")
+                "last_train_ce_loss", "tokens_per_sec", "mfu", "tokens_per_sec_median",
+                "mfu_median", "final_step")
 
 PROGRAM = flags.Program(
     "openmoe-train",
@@ -51,8 +52,8 @@ def print_run_summary(summary: Dict[str, Any]) -> None:
     value = summary[key]
     if value is None or (isinstance(value, float) and math.isnan(value)):
       value = "n/a (no training step ran)" if key == "tokens_per_sec" else "n/a"
-    print(f"{key:>18}: {value:.4f}" if isinstance(value, float) else
-          f"{key:>18}: {value}")
+    print(f"{key:>21}: {value:.4f}" if isinstance(value, float) else
+          f"{key:>21}: {value}")
 
 
 def _run(args, gin_flags: flags.GinFlags) -> int:
