@@ -42,19 +42,34 @@ SPLASH_MULTIPLE = 128  # splash's blocks are multiples of the 128 TPU lanes
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class PlainAttention:
-  """Einsum + float32 softmax over the dense mask; probabilities cast to v's dtype."""
+  """Einsum + float32 softmax over the dense mask; probabilities cast to v's dtype.
+
+  Self-attention (as many keys as queries) moves the heads ahead of the tokens
+  first ([b, h, t, k] copies of q, k and v) so both products batch over (b, h) with
+  contiguous [t, k] operands: on a 2-core AVX-512 CPU, [8, 256] tokens x 4 heads
+  of 64, causal, fwd+bwd went from 20.0-20.4 to 15.6-16.4 ms, and the quickstart's
+  train step 1.9-2.4% faster (median of 10 and of 16 paired steps, two runs). Decoding (one query against
+  a KV cache) keeps the einsums on [b, t, h, k], which copy no cache."""
 
   def __call__(self, q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array,
                mask: AttentionMask, scale: float) -> jax.Array:
     """Returns the attention output [b, t, h, k] in v's dtype."""
     b, t = q_bthk.shape[:2]
-    scores_bhqk = jnp.einsum("bqhk,bshk->bhqs", q_bthk, k_bthk,
-                             preferred_element_type=jnp.float32)
+    heads_first = k_bthk.shape[1] == t
+    if heads_first:
+      q_bhqk, k_bhsk, v_bhsk = (jnp.swapaxes(a, 1, 2) for a in (q_bthk, k_bthk, v_bthk))
+      scores_bhqs = jnp.einsum("bhqk,bhsk->bhqs", q_bhqk, k_bhsk,
+                               preferred_element_type=jnp.float32)
+    else:
+      scores_bhqs = jnp.einsum("bqhk,bshk->bhqs", q_bthk, k_bthk,
+                               preferred_element_type=jnp.float32)
     if scale != 1.0:
-      scores_bhqk = scores_bhqk * scale
-    scores_bhqk = jnp.where(mask.dense(b, t), scores_bhqk, jnp.finfo(jnp.float32).min)
-    probs_bhqk = jax.nn.softmax(scores_bhqk, axis=-1).astype(v_bthk.dtype)
-    return jnp.einsum("bhqs,bshk->bqhk", probs_bhqk, v_bthk)
+      scores_bhqs = scores_bhqs * scale
+    scores_bhqs = jnp.where(mask.dense(b, t), scores_bhqs, jnp.finfo(jnp.float32).min)
+    probs_bhqs = jax.nn.softmax(scores_bhqs, axis=-1).astype(v_bthk.dtype)
+    if heads_first:
+      return jnp.swapaxes(jnp.einsum("bhqs,bhsk->bhqk", probs_bhqs, v_bhsk), 1, 2)
+    return jnp.einsum("bhqs,bshk->bqhk", probs_bhqs, v_bthk)
 
 
 def cudnn_supported(q_bthk: jax.Array) -> bool:
