@@ -28,7 +28,10 @@ from openmoe_jax.layers.attention_mask import AttentionMask, make_attention_mask
 from openmoe_jax.model import Decoder
 
 T = 256  # splash's smallest block is 128 tokens
-IMPLS = {"xla": XlaDotProductAttention("xla"), "splash": SplashAttention(interpret=True)}
+# Each is checked against PlainAttention() (heads first for self-attention), including
+# the plain einsums on [b, t, h, k] it had before.
+IMPLS = {"xla": XlaDotProductAttention("xla"), "splash": SplashAttention(interpret=True),
+         "plain_tokens_first": PlainAttention(heads_first=False)}
 
 
 def _segments_bt() -> np.ndarray:

@@ -49,13 +49,18 @@ class PlainAttention:
   contiguous [t, k] operands: on a 2-core AVX-512 CPU, [8, 256] tokens x 4 heads
   of 64, causal, fwd+bwd went from 20.0-20.4 to 15.6-16.4 ms, and the quickstart's
   train step 1.9-2.4% faster (median of 10 and of 16 paired steps, two runs). Decoding (one query against
-  a KV cache) keeps the einsums on [b, t, h, k], which copy no cache."""
+  a KV cache) keeps the einsums on [b, t, h, k], which copy no cache.
+  `heads_first=False` keeps them for self-attention too (the layout before; in gin
+  `PlainAttention.heads_first = False`, e.g. to time both with
+  benchmarks/train_step.py)."""
+
+  heads_first: bool = True
 
   def __call__(self, q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array,
                mask: AttentionMask, scale: float) -> jax.Array:
     """Returns the attention output [b, t, h, k] in v's dtype."""
     b, t = q_bthk.shape[:2]
-    heads_first = k_bthk.shape[1] == t
+    heads_first = self.heads_first and k_bthk.shape[1] == t
     if heads_first:
       q_bhqk, k_bhsk, v_bhsk = (jnp.swapaxes(a, 1, 2) for a in (q_bthk, k_bthk, v_bthk))
       scores_bhqs = jnp.einsum("bhqk,bhsk->bhqs", q_bhqk, k_bhsk,
