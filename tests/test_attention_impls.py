@@ -28,8 +28,8 @@ from openmoe_jax.layers.attention_mask import AttentionMask, make_attention_mask
 from openmoe_jax.model import Decoder
 
 T = 256  # splash's smallest block is 128 tokens
-# Each is checked against PlainAttention() (heads first for self-attention), including
-# the plain einsums on [b, t, h, k] it had before.
+# Each is checked against PlainAttention() (on the CPU: heads first for self-attention),
+# including the plain einsums on [b, t, h, k] it runs on TPU and GPU.
 IMPLS = {"xla": XlaDotProductAttention("xla"), "splash": SplashAttention(interpret=True),
          "plain_tokens_first": PlainAttention(heads_first=False)}
 
@@ -256,3 +256,23 @@ def test_planner_reports_the_attention_implementation():
   report = plan.plan("v5p:2x2x1", batch_size=8, sequence_length=256)
   assert report["attention"] == "AutoAttention -> SplashAttention"
   assert report["fits"]
+
+
+def test_plain_attention_moves_heads_first_only_for_cpu_self_attention():
+  q = jnp.ones((2, 16, 2, 8))
+
+  def transposes(impl, k, mask=AttentionMask.build("causal", None)):
+    jaxpr = jax.make_jaxpr(lambda q, k: impl(q, k, k, mask, 1.0))(q, k)
+    return sum(eqn.primitive.name == "transpose" for eqn in jaxpr.jaxpr.eqns)
+
+  tokens_first = transposes(PlainAttention(heads_first=False), q)
+  # Heads first: q, k and v moved before the products, the output back after.
+  assert transposes(PlainAttention(), q) == tokens_first + 3
+  with compile_target("TPU v5"):  # a TPU program keeps XLA's own layouts
+    assert transposes(PlainAttention(), q) == tokens_first
+    assert transposes(PlainAttention(heads_first=True), q) == tokens_first + 3
+  # 16 queries against a cache of 32 keys: the einsums on [b, t, h, k], no copies.
+  cache = jnp.ones((2, 32, 2, 8))
+  explicit = AttentionMask.explicit(jnp.ones((2, 1, 16, 32), bool))
+  assert transposes(PlainAttention(), cache, explicit) == transposes(
+      PlainAttention(heads_first=False), cache, explicit)

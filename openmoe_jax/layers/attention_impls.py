@@ -44,23 +44,26 @@ SPLASH_MULTIPLE = 128  # splash's blocks are multiples of the 128 TPU lanes
 class PlainAttention:
   """Einsum + float32 softmax over the dense mask; probabilities cast to v's dtype.
 
-  Self-attention (as many keys as queries) moves the heads ahead of the tokens
-  first ([b, h, t, k] copies of q, k and v) so both products batch over (b, h) with
-  contiguous [t, k] operands: on a 2-core AVX-512 CPU, [8, 256] tokens x 4 heads
-  of 64, causal, fwd+bwd went from 20.0-20.4 to 15.6-16.4 ms, and the quickstart's
-  train step 1.9-2.4% faster (median of 10 and of 16 paired steps, two runs). Decoding (one query against
-  a KV cache) keeps the einsums on [b, t, h, k], which copy no cache.
-  `heads_first=False` keeps them for self-attention too (the layout before; in gin
-  `PlainAttention.heads_first = False`, e.g. to time both with
-  benchmarks/train_step.py)."""
+  On the CPU, self-attention (as many keys as queries) moves the heads ahead of
+  the tokens first ([b, h, t, k] copies of q, k and v) so both products batch over
+  (b, h) with contiguous [t, k] operands: on a 2-core AVX-512 CPU, [8, 256] tokens
+  x 4 heads of 64, causal, fwd+bwd went from 20.0-20.4 to 15.6-16.4 ms, and the
+  quickstart's train step 1.9-2.4% faster (median of 10 and of 16 paired steps, two
+  runs). Decoding (one query against a KV cache) keeps the einsums on [b, t, h, k],
+  which copy no cache, and so do TPU and GPU programs, where XLA assigns the
+  layouts itself (nothing measured there says the copies help).
+  `heads_first`: None (the default) is the above; True or False forces it for
+  self-attention on any backend (gin `PlainAttention.heads_first = False`, e.g. to
+  time both with benchmarks/train_step.py)."""
 
-  heads_first: bool = True
+  heads_first: Optional[bool] = None
 
   def __call__(self, q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array,
                mask: AttentionMask, scale: float) -> jax.Array:
     """Returns the attention output [b, t, h, k] in v's dtype."""
     b, t = q_bthk.shape[:2]
-    heads_first = self.heads_first and k_bthk.shape[1] == t
+    heads_first = (cpu_target() if self.heads_first is None else self.heads_first
+                   ) and k_bthk.shape[1] == t
     if heads_first:
       q_bhqk, k_bhsk, v_bhsk = (jnp.swapaxes(a, 1, 2) for a in (q_bthk, k_bthk, v_bthk))
       scores_bhqs = jnp.einsum("bhqk,bhsk->bhqs", q_bhqk, k_bhsk,
@@ -75,6 +78,12 @@ class PlainAttention:
     if heads_first:
       return jnp.swapaxes(jnp.einsum("bhqs,bhsk->bhqk", probs_bhqs, v_bhsk), 1, 2)
     return jnp.einsum("bhqs,bshk->bqhk", probs_bhqs, v_bthk)
+
+
+def cpu_target() -> bool:
+  """Returns whether programs are built for the CPU (not for a TPU compile target,
+  which the planner sets on a CPU host)."""
+  return not target.on_tpu() and jax.default_backend() == "cpu"
 
 
 def cudnn_supported(q_bthk: jax.Array) -> bool:
@@ -236,7 +245,7 @@ class AutoAttention:
     if (target.on_tpu() and t % SPLASH_MULTIPLE == 0 and k_bthk.shape[1] == t
         and head_dim % 64 == 0):
       return SplashAttention()
-    if not target.on_tpu() and jax.default_backend() == "cpu":
+    if cpu_target():
       return PlainAttention()
     return XlaDotProductAttention()
 
