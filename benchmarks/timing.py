@@ -54,22 +54,24 @@ def compile_fn(fn: Callable, *args) -> Tuple[Callable, Optional[int], Optional[f
   return compiled, peak, counted
 
 
+def call_ms(call: Callable[[], Any]) -> float:
+  """Returns the milliseconds of one call of `call`, its results waited for."""
+  start = time.perf_counter()
+  jax.block_until_ready(call())
+  return (time.perf_counter() - start) * 1e3
+
+
 def paired_ms(base: Callable[[], Any], calls: Dict[str, Callable[[], Any]],
               rounds: int, warmup: int = 1
               ) -> Dict[str, Tuple[List[float], List[float]]]:
   """Returns {name: (base ms per pair, name's ms per pair)}: for each entry of
   `calls` in turn, `warmup` untimed then `rounds` timed pairs (base, call)."""
-  def timed(call) -> float:
-    start = time.perf_counter()
-    jax.block_until_ready(call())
-    return (time.perf_counter() - start) * 1e3
-
   times = {}
   for name, call in calls.items():
     for _ in range(warmup):
       jax.block_until_ready(base())
       jax.block_until_ready(call())
-    pairs = [(timed(base), timed(call)) for _ in range(rounds)]
+    pairs = [(call_ms(base), call_ms(call)) for _ in range(rounds)]
     times[name] = ([b for b, _ in pairs], [c for _, c in pairs])
   return times
 

@@ -28,8 +28,8 @@ of two matmul peaks measured in this process, one before the paths are built
 (`peak_flops_start`) and one after the timing (`peak_flops_end`); `first_loss` is
 the first step's loss (every path starts from the same seed, so variants of the
 same model, a dispatcher say, show the same), `loss` the last step's (paths run
-different numbers of steps on the one batch). With no variant the baseline is timed alone (`rounds` steps).
-The load average at the start and the end goes in every row. On the CPU the
+different numbers of steps on the one batch). With no variant the baseline is timed
+alone (`rounds` steps). The load average at the start and the end goes in every row. On the CPU the
 allocator setting of the library's programs applies (cli/host_malloc.py), as in
 `openmoe-train`.
 """
@@ -56,7 +56,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from benchmarks import timing  # noqa: E402
-from openmoe_jax import flops, gin_utils, partitioning  # noqa: E402
+from openmoe_jax import flops, gin_utils, partitioning, run_loader  # noqa: E402
 from openmoe_jax.config import ModelConfig, build_model_config  # noqa: E402
 from openmoe_jax.model import Decoder  # noqa: E402
 from openmoe_jax.objectives import CausalLm  # noqa: E402
@@ -81,19 +81,6 @@ def parse_variant(text: str) -> Tuple[str, List[str]]:
         f"binding: Configurable.param=value), e.g. 'scanned:ModelConfig.scan_layers="
         f"True'; got {text!r}")
   return match.group(1), bindings
-
-
-def _query(name: str, default: Any = None) -> Any:
-  """Returns gin's value of `name` (`@f()` and `%MACRO` evaluated, as gin passes
-  them), else `default` where `name` is not bound."""
-  try:
-    value = gin.query_parameter(name)
-  except ValueError:
-    return default
-  if isinstance(value, gin.config.ConfigurableReference):
-    fn = value.scoped_configurable_fn
-    return fn() if value.evaluate else fn
-  return value
 
 
 class StepPath:
@@ -129,26 +116,26 @@ def build_path(name: str, gin_files: Sequence[str], bindings: Sequence[str],
   """Returns the StepPath of gin files + bindings (gin's global config is replaced)."""
   gin.clear_config()
   gin_utils.parse_gin(gin_files, bindings, search_paths, finalize=False)
-  batch_size = batch_size or _query("train.batch_size")
-  length = length or _query("train.sequence_length")
+  batch_size = batch_size or run_loader.query("train.batch_size")
+  length = length or run_loader.query("train.sequence_length")
   if not batch_size or not length:
     raise RunConfigError("no batch size or sequence length: bind train.batch_size and "
                      "train.sequence_length in gin or pass --batch_size and "
                      "--sequence_length")
   cfg = ModelConfig()
   if cfg.vocab_size is None and vocab_size is None:
-    task = _query("train.mixture_or_task_name")
+    task = run_loader.query("train.mixture_or_task_name")
     if task is None:
       raise RunConfigError("no vocabulary size: bind ModelConfig.vocab_size or "
                        "train.mixture_or_task_name, or pass --vocab_size")
     from openmoe_jax.data import pipeline  # pylint: disable=g-import-not-at-top
     vocab_size = pipeline.vocabulary_for(task).vocab_size
   cfg = build_model_config(cfg, vocab_size or cfg.vocab_size)
-  optimizer = _query("train.optimizer")
+  optimizer = run_loader.query("train.optimizer")
   if optimizer is None:
     raise RunConfigError("no optimizer: bind train.optimizer (e.g. runs/train_base.gin)")
-  objective = _query("train.objective") or CausalLm()
-  mesh = partitioning.make_mesh(_query("train.num_devices"))
+  objective = run_loader.query("train.objective") or CausalLm()
+  mesh = partitioning.make_mesh(run_loader.query("train.num_devices"))
   with partitioning.activate(mesh):
     trainer = Trainer(Decoder(cfg), objective, optimizer, mesh, length)
     return StepPath(name, bindings, cfg, trainer, batch_size, length)
@@ -162,12 +149,7 @@ def time_paths(paths: Sequence[StepPath], rounds: int, warmup: int
   if not variants:
     for _ in range(warmup):
       jax.block_until_ready(base())
-    times = []
-    for _ in range(rounds):
-      start = time.perf_counter()
-      jax.block_until_ready(base())
-      times.append((time.perf_counter() - start) * 1e3)
-    return {base.name: ([], times)}
+    return {base.name: ([], [timing.call_ms(base) for _ in range(rounds)])}
   return timing.paired_ms(base, {p.name: p for p in variants}, rounds, warmup)
 
 
