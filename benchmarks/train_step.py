@@ -1,7 +1,7 @@
 """The compiled train step of a gin-configured run, and variants of it, side by side.
 
 Usage: python benchmarks/train_step.py [--gin_file=runs/quickstart.gin] [--gin.K=V ...]
-           [--variant 'NAME:BINDING[;BINDING...]' ...] [--rounds N] [--json]
+           [--variant 'NAME:BINDING[;BINDING...]' ...] [--data] [--rounds N] [--json]
 
 Example (the quickstart's choices, README "Quickstart"):
   python benchmarks/train_step.py --gin_file=runs/quickstart.gin \\
@@ -18,6 +18,11 @@ after `--warmup` untimed ones), so load that drifts hits both sides of a pair. A
 step is `Trainer.train_step` on one synthetic batch of random tokens (every target
 counts, one segment per row), host-to-device copy of the batch included, as the
 training loop calls it; the data pipeline, logging and checkpoints are not.
+`--data` adds the path 'data': the baseline's own compiled step and state fed by the
+run's input pipeline (its task's training split, as `openmoe-train` reads it), in
+pairs with the baseline like a variant, so its ratio is what the pipeline (its
+`next()`, and its threads producing the next batch while the step runs on the same
+cores) costs the step.
 
 Per path: `step_ms` is the median of its step times, `step_ms_min` / `_max` their
 spread (the baseline's over every pair it ran in); `ratio_to_base` the MEDIAN OF
@@ -64,6 +69,7 @@ from openmoe_jax.trainer import Trainer  # noqa: E402
 
 DEFAULT_GIN_FILE = "runs/quickstart.gin"
 BASE = "base"
+DATA = "data"  # the path --data adds
 _VARIANT = re.compile(r"^([A-Za-z0-9_.-]+):(.+)$", re.S)
 
 
@@ -108,6 +114,48 @@ class StepPath:
     with partitioning.activate(self.trainer.mesh):
       self.state, self.metrics = self.trainer.train_step(self.state, self.batch, self.rng)
     return self.metrics
+
+
+class DataPath:
+  """The baseline's compiled step and state fed by the run's input pipeline (the
+  training split of its task, as `openmoe-train` reads it) instead of the synthetic
+  batch: a call takes the next batch (`next()` and the host-to-device copy inside
+  the timed call, the pipeline's background threads producing the one after, as in
+  the training loop). Paired with the baseline, the ratio is what the input
+  pipeline costs the step. `first_loss` is its first step's, on a real batch."""
+
+  def __init__(self, base: StepPath, batches):
+    self.base, self.batches = base, batches
+    self.name, self.bindings = DATA, base.bindings
+    self.cfg, self.trainer = base.cfg, base.trainer
+    self.batch_size, self.length = base.batch_size, base.length
+    self.flops_per_token, self.compile_s = base.flops_per_token, 0.0
+    self.metrics = None
+    self.first_loss = float(self()["loss"])
+
+  def __call__(self):
+    base = self.base
+    with partitioning.activate(self.trainer.mesh):
+      base.state, self.metrics = self.trainer.train_step(base.state, next(self.batches),
+                                                         base.rng)
+    return self.metrics
+
+
+def data_path(base: StepPath) -> DataPath:
+  """Returns the DataPath of `base`; reads the task and seed from the live gin config
+  (base's). Raises RunConfigError when the run names no task or its model's
+  vocabulary is smaller than the task's."""
+  from openmoe_jax.data import pipeline  # pylint: disable=g-import-not-at-top
+  task = run_loader.query("train.mixture_or_task_name")
+  if task is None:
+    raise RunConfigError("--data: the run names no task (train.mixture_or_task_name)")
+  vocab_size = pipeline.vocabulary_for(task).vocab_size
+  if base.cfg.vocab_size < vocab_size:
+    raise RunConfigError(f"--data: the model's vocabulary ({base.cfg.vocab_size}) is "
+                         f"smaller than {task}'s ({vocab_size})")
+  seed = run_loader.query("train.seed") or 0
+  return DataPath(base, pipeline.get_dataset(task, base.length, base.batch_size,
+                                             seed=seed))
 
 
 def build_path(name: str, gin_files: Sequence[str], bindings: Sequence[str],
@@ -192,9 +240,9 @@ def rows_of(paths: Sequence[StepPath], times, peak_start: float, peak_end: float
 def run(gin_files: Sequence[str], bindings: Sequence[str], search_paths: Sequence[str],
         variants: Sequence[Tuple[str, List[str]]], rounds: int, warmup: int,
         batch_size: Optional[int] = None, length: Optional[int] = None,
-        vocab_size: Optional[int] = None) -> List[Dict[str, Any]]:
-  """Builds the baseline and each variant, times them (module docstring); returns
-  the rows. gin's global config is cleared at the end."""
+        vocab_size: Optional[int] = None, data: bool = False) -> List[Dict[str, Any]]:
+  """Builds the baseline, with `data` its DataPath, and each variant, times them
+  (module docstring); returns the rows. gin's global config is cleared at the end."""
   gin_utils.import_configurables()
   load_start = timing.load_average()
   peak_start = timing.matmul_peak(jnp.float32)
@@ -204,6 +252,9 @@ def run(gin_files: Sequence[str], bindings: Sequence[str], search_paths: Sequenc
       print(f"building and compiling {name} ...", file=sys.stderr, flush=True)
       paths.append(build_path(name, gin_files, list(bindings) + extra, search_paths,
                               batch_size, length, vocab_size))
+      if name == BASE and data:
+        print("opening the run's input pipeline ...", file=sys.stderr, flush=True)
+        paths.append(data_path(paths[0]))
   finally:
     gin.clear_config()
   print(f"timing {len(paths)} path(s), {rounds} rounds ...", file=sys.stderr, flush=True)
@@ -248,18 +299,21 @@ def main(argv=None):
                       help="default: gin's train.sequence_length")
   parser.add_argument("--vocab_size", type=int, default=None,
                       help="default: ModelConfig.vocab_size, else the task's vocabulary")
+  parser.add_argument("--data", action="store_true",
+                      help=f"add the path {DATA!r}: the baseline's step fed by the run's "
+                      "input pipeline, to time what the pipeline costs the step")
   parser.add_argument("--json", action="store_true", help="one JSON object per row")
   args = parser.parse_args(other)
-  names = [BASE] + [name for name, _ in args.variant]
+  names = [BASE] + ([DATA] if args.data else []) + [name for name, _ in args.variant]
   if len(set(names)) != len(names):
-    parser.error(f"--variant: names must differ from each other and from {BASE!r}: "
-                 f"{names}")
+    parser.error(f"--variant: names must differ from each other and from {BASE!r}"
+                 f"{f' and {DATA!r}' if args.data else ''}: {names}")
   if args.rounds < 1 or args.warmup < 0:
     parser.error("--rounds must be >= 1 and --warmup >= 0")
   try:
     rows = run(gin_files or [DEFAULT_GIN_FILE], bindings, search_paths, args.variant,
                args.rounds, args.warmup, args.batch_size, args.sequence_length,
-               args.vocab_size)
+               args.vocab_size, args.data)
   except (gin_utils.GinConfigError, RunConfigError) as e:
     parser.error(str(e))
   if args.json:

@@ -69,6 +69,41 @@ def test_rows_arithmetic(rows):
     assert 0 < row["ratio_to_base_min"] <= row["ratio_to_base"] <= row["ratio_to_base_max"]
 
 
+def test_data_path_feeds_the_baseline_step_from_the_pipeline(bench, monkeypatch):
+  """--data: the baseline's compiled step and state, one pipeline batch per call
+  (the run's task at the run's shapes), timed in pairs like a variant."""
+  from openmoe_jax.data import pipeline  # pylint: disable=g-import-not-at-top
+  fed = []
+  real_get_dataset = pipeline.get_dataset
+
+  def get_dataset(task, length, batch_size, **kwargs):
+    for batch in real_get_dataset(task, length, batch_size, **kwargs):
+      fed.append((task, batch["decoder_target_tokens"].copy()))
+      yield batch
+
+  monkeypatch.setattr(pipeline, "get_dataset", get_dataset)
+  no_vocab = [b for b in TINY if not b.startswith("ModelConfig.vocab_size")]
+  base, data = bench.run(["runs/quickstart.gin"], no_vocab, [], [], rounds=2,
+                         warmup=1, batch_size=BATCH, length=LENGTH, data=True)
+  assert (base["path"], data["path"]) == ("base", "data")
+  assert data["bindings"] == base["bindings"] == no_vocab
+  # Its first step at build, then one batch per call: 1 warm-up and 2 timed pairs.
+  assert len(fed) == 4 and {task for task, _ in fed} == {"local_mix"}
+  assert all(tokens.shape == (BATCH, LENGTH) for _, tokens in fed)
+  assert len({tokens.tobytes() for _, tokens in fed}) == 4  # a new batch each call
+  assert data["model_flops_per_token"] == base["model_flops_per_token"]
+  assert 0 < data["ratio_to_base_min"] <= data["ratio_to_base"] <= data["ratio_to_base_max"]
+  assert data["first_loss"] != base["first_loss"]  # a real batch, a trained state
+  assert gin.config_str() == ""
+
+
+def test_data_path_needs_the_tasks_vocabulary(bench):
+  with pytest.raises(bench.RunConfigError, match="vocabulary .256. is smaller"):
+    bench.run(["runs/quickstart.gin"], TINY, [], [], rounds=1, warmup=0,
+              batch_size=BATCH, length=LENGTH, data=True)
+  assert gin.config_str() == ""
+
+
 @pytest.mark.parametrize("text, expected", [
     ("scanned:ModelConfig.scan_layers=True", ("scanned", ["ModelConfig.scan_layers=True"])),
     ("a-1.b: X.y = 1 ; Z.w=@F()", ("a-1.b", ["X.y = 1", "Z.w=@F()"])),
@@ -91,7 +126,8 @@ def test_main_prints_json_rows_and_refuses_bad_flags(bench, capsys):
   bench.main(flags)
   (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
   assert row["path"] == "base" and row["ratio_to_base"] is None and row["rounds"] == 1
-  for bad in (["--variant=base:X.y=1"], ["--rounds=0"], ["--gin.NoSuch.param=1"]):
+  for bad in (["--variant=base:X.y=1"], ["--data", "--variant=data:X.y=1"],
+              ["--rounds=0"], ["--gin.NoSuch.param=1"]):
     with pytest.raises(SystemExit) as exit_info:
       bench.main(flags + bad)
     assert exit_info.value.code == 2

@@ -29,8 +29,14 @@ keeps only the rows' hidden activations (h0, h1) for the backward, which gathers
 each chunk's output cotangent from the tokens, gives the gates their gradient (the
 output row . its cotangent, computed as a . (cotangent @ wo^T), the product that
 gives a its cotangent anyway, so the rows' outputs are not kept: d fewer values per
-row), scatter-adds the input gradient to the tokens, and accumulates the weight
-gradients in a per-expert [d, f] carry written once.
+row), scatter-adds the input gradient to the tokens, and adds the chunk's weight
+gradients to its expert's slice of the [E, d, f] float32 gradients, which the loop
+over experts carries and updates in place. (Accumulating in a per-expert [d, f]
+carry and stacking the experts' results, as a scan over experts does, writes
+every expert's gradients once more: benchmarks/moe_layer.py's block path at
+(d 768, f 2048, E 16, k 2, 4096 tokens) went from 1.26x to 1.19x of the dense
+MLP's time, and from 2.44x / 3.03x to 2.32x / 2.72x at E 64 / E 256, on a
+2-core Intel Xeon; gradients bit for bit the same.)
 """
 import functools
 from typing import NamedTuple
@@ -138,13 +144,12 @@ def _forward(x_nd, source_p, gate_p, wi_0, wi_1, wo, layout, sizes, kind):
 def _backward(x_nd, source_p, gate_p, h0_pf, h1_pf, dout_nd, wi_0, wi_1, wo,
               layout, sizes, kind):
   """Returns (dx_nd, dgate_p, dwi_0, dwi_1, dwo)."""
-  def expert(state, expert_xs):
-    dx_nd, dgate_p = state
-    w0, w1, w2, start, rows = expert_xs
-    end = start + rows
+  def expert(e, state):
+    w0, w1, w2 = wi_0[e], wi_1[e], wo[e]
+    end = layout.start_e[e] + layout.rows_e[e]
 
-    def step(size, row, inner):
-      dx_nd, dgate_p, g0, g1, g2 = inner
+    def step(size, row, state):
+      dx_nd, dgate_p, dw0, dw1, dw2 = state
       take = lambda a: jax.lax.dynamic_slice_in_dim(a, row, size)
       source_t = take(source_p)
       x_td, h0, h1, dout_td = x_nd[source_t], take(h0_pf), take(h1_pf), dout_nd[source_t]
@@ -153,29 +158,28 @@ def _backward(x_nd, source_p, gate_p, h0_pf, h1_pf, dout_nd, wi_0, wi_1, wo,
       gate_t = jnp.where(mine_t, take(gate_p), 0)
       dy_td = dout_td * gate_t[:, None].astype(dout_td.dtype)
       a_tf, gate_vjp = jax.vjp(functools.partial(gated_hidden, kind), h0, h1)
-      g2 = g2 + _dot(a_tf, dy_td, ((0,), (0,)))
+      # The chunk's weight gradients are added to expert e's slice of the [E, ...]
+      # float32 gradients in place (the loop carries them).
+      dw2 = dw2.at[e].add(_dot(a_tf, dy_td, ((0,), (0,))))
       # The row's output y = a @ w2 is not kept: its gate's gradient y . dout is
       # a . (dout @ w2^T), and dout @ w2^T x gate is a's cotangent.
       da_tf = _dot(dout_td, w2, ((1,), (1,)))
       dgate_t = jnp.where(mine_t, jnp.sum(a_tf.astype(jnp.float32) * da_tf, axis=-1), 0)
       dh0, dh1 = gate_vjp((da_tf * gate_t[:, None]).astype(dy_td.dtype))
-      g0 = g0 + _dot(x_td, dh0, ((0,), (0,)))
-      g1 = g1 + _dot(x_td, dh1, ((0,), (0,)))
+      dw0 = dw0.at[e].add(_dot(x_td, dh0, ((0,), (0,))))
+      dw1 = dw1.at[e].add(_dot(x_td, dh1, ((0,), (0,))))
       dx_td = _dot(dh0, w0, ((1,), (1,))) + _dot(dh1, w1, ((1,), (1,)))
       dgate_p = jax.lax.dynamic_update_slice_in_dim(
           dgate_p, dgate_t.astype(dgate_p.dtype), row, 0)
-      return dx_nd.at[source_t].add(dx_td.astype(dx_nd.dtype)), dgate_p, g0, g1, g2
+      return dx_nd.at[source_t].add(dx_td.astype(dx_nd.dtype)), dgate_p, dw0, dw1, dw2
 
-    zeros = tuple(jnp.zeros(w.shape, jnp.float32) for w in (w0, w1, w2))
-    dx_nd, dgate_p, *expert_grads = _for_chunks(start, rows, sizes, step,
-                                                (dx_nd, dgate_p) + zeros)
-    return (dx_nd, dgate_p), tuple(g.astype(w.dtype)
-                                   for g, w in zip(expert_grads, (w0, w1, w2)))
+    return _for_chunks(layout.start_e[e], layout.rows_e[e], sizes, step, state)
 
-  (dx_nd, dgate_p), grads = jax.lax.scan(
-      expert, (jnp.zeros_like(x_nd), jnp.zeros_like(gate_p)),
-      (wi_0, wi_1, wo, layout.start_e, layout.rows_e))
-  return (dx_nd, dgate_p) + tuple(grads)
+  weights = (wi_0, wi_1, wo)
+  state = (jnp.zeros_like(x_nd), jnp.zeros_like(gate_p)) + tuple(
+      jnp.zeros(w.shape, jnp.float32) for w in weights)
+  dx_nd, dgate_p, *grads = jax.lax.fori_loop(0, wo.shape[0], expert, state)
+  return (dx_nd, dgate_p) + tuple(g.astype(w.dtype) for g, w in zip(grads, weights))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
