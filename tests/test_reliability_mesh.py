@@ -20,13 +20,14 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 from run_files import logged_losses
 
 from test_reliability_train import TINY_BINDINGS, TRAIN_MODULE
 
-from openmoe_jax import errors, trainer
+from openmoe_jax import distributed, errors, trainer
 from openmoe_jax.data import pipeline
 
 LOSS_RTOL = 1e-6
@@ -120,8 +121,8 @@ def _two_processes(tmp_path, model_dir, steps):
   """Starts the two processes (2 CPU devices each, gloo collectives) of one run."""
   address = f"localhost:{_free_port()}"
   return [_spawn(tmp_path, model_dir, steps, 2, **{
-      trainer.COORDINATOR_ADDRESS_ENV: address, trainer.NUM_PROCESSES_ENV: 2,
-      trainer.PROCESS_ID_ENV: index}) for index in range(2)]
+      distributed.COORDINATOR_ADDRESS_ENV: address, distributed.NUM_PROCESSES_ENV: 2,
+      distributed.PROCESS_ID_ENV: index}) for index in range(2)]
 
 
 def _kill(procs) -> None:
@@ -201,26 +202,26 @@ def test_sharded_dataset_concatenates_each_shards_rows():
 def test_distributed_settings_incomplete_or_out_of_range_are_input_errors(
     monkeypatch):
   initialized = []
-  monkeypatch.setattr(trainer.jax.distributed, "initialize",
+  monkeypatch.setattr(jax.distributed, "initialize",
                       lambda **kwargs: initialized.append(kwargs))
-  monkeypatch.setattr(trainer.jax.distributed, "is_initialized", lambda: False)
-  for name in (trainer.COORDINATOR_ADDRESS_ENV, trainer.NUM_PROCESSES_ENV,
-               trainer.PROCESS_ID_ENV, "TPU_WORKER_HOSTNAMES",
+  monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+  for name in (distributed.COORDINATOR_ADDRESS_ENV, distributed.NUM_PROCESSES_ENV,
+               distributed.PROCESS_ID_ENV, "TPU_WORKER_HOSTNAMES",
                "MEGASCALE_COORDINATOR_ADDRESS"):
     monkeypatch.delenv(name, raising=False)
-  assert not trainer.maybe_initialize_distributed(None)
-  monkeypatch.setenv(trainer.NUM_PROCESSES_ENV, "2")
-  with pytest.raises(errors.InputError, match=trainer.COORDINATOR_ADDRESS_ENV):
-    trainer.maybe_initialize_distributed(None)
-  monkeypatch.setenv(trainer.COORDINATOR_ADDRESS_ENV, "localhost:1234")
-  monkeypatch.setenv(trainer.PROCESS_ID_ENV, "2")
+  assert not distributed.maybe_initialize_distributed(None)
+  monkeypatch.setenv(distributed.NUM_PROCESSES_ENV, "2")
+  with pytest.raises(errors.InputError, match=distributed.COORDINATOR_ADDRESS_ENV):
+    distributed.maybe_initialize_distributed(None)
+  monkeypatch.setenv(distributed.COORDINATOR_ADDRESS_ENV, "localhost:1234")
+  monkeypatch.setenv(distributed.PROCESS_ID_ENV, "2")
   with pytest.raises(errors.InputError, match=r"process id 2 is not in \[0, 2\)"):
-    trainer.maybe_initialize_distributed(None)
-  monkeypatch.setenv(trainer.PROCESS_ID_ENV, "one")
+    distributed.maybe_initialize_distributed(None)
+  monkeypatch.setenv(distributed.PROCESS_ID_ENV, "one")
   with pytest.raises(errors.InputError, match="is not an integer"):
-    trainer.maybe_initialize_distributed(None)
+    distributed.maybe_initialize_distributed(None)
   assert not initialized
   # gin-style arguments win over the environment.
-  assert trainer.maybe_initialize_distributed(None, process_id=1)
+  assert distributed.maybe_initialize_distributed(None, process_id=1)
   assert initialized == [{"coordinator_address": "localhost:1234",
                           "num_processes": 2, "process_id": 1}]

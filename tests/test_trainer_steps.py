@@ -60,14 +60,14 @@ def test_microbatched_step_equals_full_batch_step():
     ("WARNING: could not determine TPU worker hostnames or IP addresses, please set",
      False)])
 def test_multi_host_detection(monkeypatch, hosts, expected):
-  from openmoe_jax import trainer  # pylint: disable=g-import-not-at-top
+  from openmoe_jax import distributed  # pylint: disable=g-import-not-at-top
   calls = []
   monkeypatch.setattr(jax.distributed, "initialize", lambda: calls.append(1))
   monkeypatch.setenv("TPU_WORKER_HOSTNAMES", hosts)
   monkeypatch.delenv("MEGASCALE_COORDINATOR_ADDRESS", raising=False)
-  assert trainer.maybe_initialize_distributed(None) is expected
+  assert distributed.maybe_initialize_distributed(None) is expected
   assert len(calls) == int(expected)
-  assert trainer.maybe_initialize_distributed(False) is False
+  assert distributed.maybe_initialize_distributed(False) is False
 
 
 def test_reported_throughput_waits_for_the_asynchronous_steps():
