@@ -25,6 +25,7 @@ experts two ways:
 MFU = tokens/s x model FLOPs per token / (peak FLOP/s per device x devices).
 """
 import dataclasses
+import functools
 import time
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -131,8 +132,9 @@ def measured_matmul_peak_flops(dtype: Any = jnp.float32, size: int = 1024,
                                device: Optional[jax.Device] = None) -> float:
   """Returns the FLOP/s of the fastest of `reps` jitted [size, size] matmuls in
   `dtype` on `device` (default: the default device), 2 x size^3 FLOPs each; stops
-  early once `budget_s` seconds of timing have passed (after two reps). Call it
-  outside `partitioning.activate` (jit refuses a one-device matmul in a mesh).
+  early once `budget_s` seconds of timing have passed (after two reps). Runs
+  outside any current mesh (`partitioning.activate`), whose jit would refuse a
+  one-device matmul.
 
   30 reps (0.2 s on a 2-core CPU at 1024) rather than a handful: on a shared 2-core
   Intel Xeon, 8 fresh processes measured 268-343 GFLOP/s with 5 reps and 316-358
@@ -141,18 +143,29 @@ def measured_matmul_peak_flops(dtype: Any = jnp.float32, size: int = 1024,
   tokens/s)."""
   device = device or jax.devices()[0]
   rng = np.random.default_rng(0)
-  a, b = (jax.device_put(jnp.asarray(rng.standard_normal((size, size)), dtype), device)
-          for _ in range(2))
-  matmul = jax.jit(jnp.matmul)
-  jax.block_until_ready(matmul(a, b))  # compile and warm up
-  best, start = float("inf"), time.perf_counter()
-  for i in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(matmul(a, b))
-    best = min(best, time.perf_counter() - t0)
-    if i >= 1 and time.perf_counter() - start > budget_s:
-      break
+  with jax.set_mesh(None):
+    a, b = (jax.device_put(jnp.asarray(rng.standard_normal((size, size)), dtype),
+                           device) for _ in range(2))
+    matmul = jax.jit(jnp.matmul)
+    jax.block_until_ready(matmul(a, b))  # compile and warm up
+    best, start = float("inf"), time.perf_counter()
+    for i in range(reps):
+      t0 = time.perf_counter()
+      jax.block_until_ready(matmul(a, b))
+      best = min(best, time.perf_counter() - t0)
+      if i >= 1 and time.perf_counter() - start > budget_s:
+        break
   return 2.0 * size ** 3 / best
+
+
+MEASURED = "measured"  # how resolve_peak_flops's source of a calibrated peak starts
+
+
+def calibration(dtype: Any, device: jax.Device) -> Callable[[], float]:
+  """Returns the calibration that measures `device`'s peak: the fastest matmul in
+  `dtype`, 4096-wide on GPU, 1024 elsewhere."""
+  size = 4096 if device.platform == "gpu" else 1024
+  return functools.partial(measured_matmul_peak_flops, dtype, size, device=device)
 
 
 def resolve_peak_flops(peak_flops_per_sec: Optional[float], dtype: Any,
@@ -168,10 +181,10 @@ def resolve_peak_flops(peak_flops_per_sec: Optional[float], dtype: Any,
   device = device or jax.devices()[0]
   if device.platform == "tpu" and device.device_kind in TPU_PEAK_FLOPS:
     return TPU_PEAK_FLOPS[device.device_kind], f"the {device.device_kind} spec sheet"
-  size = 4096 if device.platform == "gpu" else 1024
-  peak = measured_matmul_peak_flops(dtype, size, device=device)
-  return peak, (f"measured: fastest {size}x{size} {jnp.dtype(dtype).name} matmul on "
-                f"{device.device_kind}")
+  calibrate = calibration(dtype, device)
+  size = calibrate.args[1]
+  return calibrate(), (f"{MEASURED}: fastest {size}x{size} {jnp.dtype(dtype).name} "
+                       f"matmul on {device.device_kind}")
 
 
 def peak_devices(mesh: jax.sharding.Mesh) -> int:
@@ -188,14 +201,33 @@ def mfu(tokens_per_sec: float, flops_per_token: float, peak_flops_per_sec: float
   return tokens_per_sec * flops_per_token / (peak_flops_per_sec * num_devices)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class MfuMeter:
-  """A run's FLOPs per token and peak; turns a throughput into logged scalars."""
+  """A run's FLOPs per token and peak; turns a throughput into logged scalars.
+
+  `calibrate` (None when the peak is given or a spec sheet's) measures the peak
+  again: `recalibrate()` keeps the highest reading. A calibration on a shared
+  machine reads low when other work takes the cores (on a 2-core Intel Xeon, 321
+  and 366 GFLOP/s at the start of two quickstart runs minutes apart), and a low
+  peak inflates the MFU; the highest of several readings is the closest to what
+  the hardware does."""
 
   model_flops_per_token: float
   hardware_flops_per_token: float
   peak_flops_per_sec: float  # per device
   num_devices: int
+  calibrate: Optional[Callable[[], float]] = None
+
+  def recalibrate(self) -> bool:
+    """Measures the peak again (when it was measured) and keeps the higher one;
+    returns whether the peak rose."""
+    if self.calibrate is None:
+      return False
+    peak = self.calibrate()
+    if peak <= self.peak_flops_per_sec:
+      return False
+    self.peak_flops_per_sec = peak
+    return True
 
   def mfu(self, tokens_per_sec: float) -> float:
     """Returns the model FLOPs utilisation at `tokens_per_sec` (global tokens)."""
@@ -218,7 +250,10 @@ def mfu_meter(cfg: ModelConfig, sequence_length: int, batch_tokens: int, mesh,
   local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
   peak, source = resolve_peak_flops(peak_flops_per_sec, cfg.dtype, local[0])
   devices = peak_devices(mesh)
-  print_fn(f"MFU peak: {peak / 1e9:.1f} GFLOP/s per device x {devices} ({source}); "
-           f"model {counts['total'] / 1e6:.2f} MFLOP/token, hardware "
+  measured = source.startswith(MEASURED)
+  print_fn(f"MFU peak: {peak / 1e9:.1f} GFLOP/s per device x {devices} ({source}"
+           f"{'; measured again at each evaluation, the highest kept' if measured else ''}"
+           f"); model {counts['total'] / 1e6:.2f} MFLOP/token, hardware "
            f"{counts['hardware_total'] / 1e6:.2f} MFLOP/token (training)")
-  return MfuMeter(counts["total"], counts["hardware_total"], peak, devices)
+  return MfuMeter(counts["total"], counts["hardware_total"], peak, devices,
+                  calibration(cfg.dtype, local[0]) if measured else None)

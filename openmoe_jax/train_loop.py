@@ -74,6 +74,9 @@ class TrainLoop:
 
   `mfu_meter` (a flops.MfuMeter, or None) adds `train/mfu` and the FLOPs per token to
   each log window and the MFU of the summary's tokens_per_sec as `summary["mfu"]`.
+  A measured peak is measured again after each evaluation (outside the timed
+  windows) and the highest reading kept: each window's `train/mfu` uses the
+  highest so far, the summary the highest of the run (`mfu_peak_gflops`).
   """
 
   def __init__(self, stage_for_step: Callable[[int], LoopStage], checkpointer, logger,
@@ -201,6 +204,12 @@ class TrainLoop:
     self.summary.update(self._throughput())
     return self.summary
 
+  def _recalibrate(self) -> None:
+    """Measures the MFU peak again (a measured one) and says when it rose."""
+    if self.mfu_meter is not None and self.mfu_meter.recalibrate():
+      self.print_fn(f"MFU peak: {self.mfu_meter.peak_flops_per_sec / 1e9:.1f} "
+                    "GFLOP/s per device, measured again (the highest reading counts)")
+
   def _throughput(self) -> Dict[str, Any]:
     """Returns the summary's throughput: `tokens_per_sec`, the mean of the log
     windows' rates, and their median, min and max (`tokens_per_sec_median`, ...:
@@ -217,6 +226,7 @@ class TrainLoop:
                             ("mfu_median", "tokens_per_sec_median")):
         rate = result[rate_key]
         result[key] = None if rate is None else self.mfu_meter.mfu(rate)
+      result["mfu_peak_gflops"] = self.mfu_meter.peak_flops_per_sec / 1e9
     return result
 
   def _steps(self, state, start, train_steps, eval_every, log_every, progress, stop):
@@ -253,6 +263,7 @@ class TrainLoop:
         if step == train_steps:
           self.print_fn(f"Final evaluation at step {step} ...")
         self.evaluate(step, state.params)
+        self._recalibrate()
         window_start = time.perf_counter()
     return state
 

@@ -190,3 +190,9 @@ def test_training_logs_mfu_and_the_summary_has_it(tmp_path):
                                          / 1e9)
   assert any(l.startswith("MFU peak: 1.0 GFLOP/s per device x 1 "
                           "(train.peak_flops_per_sec)") for l in lines), lines
+
+
+def test_peak_calibration_runs_inside_a_mesh_of_several_devices():
+  from openmoe_jax import partitioning  # pylint: disable=g-import-not-at-top
+  with partitioning.activate(partitioning.make_mesh(2)):
+    assert flops.measured_matmul_peak_flops(jnp.float32, size=64, reps=2) > 0

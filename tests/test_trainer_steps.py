@@ -270,3 +270,30 @@ def test_summary_throughput_is_the_windows_mean_median_and_spread(monkeypatch):
       pytest.approx(2.5), pytest.approx(20.0))
   assert summary["mfu"] == pytest.approx(sum(rates) / 3 * 1e6 / 1e8)
   assert summary["mfu_median"] == pytest.approx(10.0 * 1e6 / 1e8)
+
+
+def test_a_measured_peak_is_measured_again_after_each_evaluation_highest_kept():
+  from openmoe_jax import flops  # pylint: disable=g-import-not-at-top
+  lines, readings = [], [3e8, 2e8]  # after the evaluations at steps 4 and 8
+  loop, recorder = _counting_loop(lambda i: None, lines)
+  loop.mfu_meter = flops.MfuMeter(model_flops_per_token=1e6, hardware_flops_per_token=1e6,
+                                  peak_flops_per_sec=1e8, num_devices=1,
+                                  calibrate=lambda: readings.pop(0))
+  summary = loop.run(TrainState(jnp.zeros((), jnp.int32), {}, ()), train_steps=8,
+                     eval_every=4, log_every=2)
+  assert not readings  # measured once after each evaluation, not at step 0
+  windows = {step: row for step, row in recorder.rows if "train/mfu" in row}
+  assert sorted(windows) == [2, 4, 6, 8]
+  for step, row in windows.items():
+    peak = 1e8 if step <= 4 else 3e8  # the highest reading so far
+    assert row["train/mfu"] == pytest.approx(row["train/tokens_per_sec"] * 1e6 / peak)
+  assert summary["mfu_peak_gflops"] == pytest.approx(0.3)
+  assert summary["mfu"] == pytest.approx(summary["tokens_per_sec"] * 1e6 / 3e8)
+  assert [l for l in lines if "measured again" in l] == [
+      "MFU peak: 0.3 GFLOP/s per device, measured again (the highest reading counts)"]
+
+
+def test_a_given_peak_is_not_measured_again():
+  from openmoe_jax import flops  # pylint: disable=g-import-not-at-top
+  meter = flops.MfuMeter(1e6, 1e6, 1e8, 1)
+  assert not meter.recalibrate() and meter.peak_flops_per_sec == 1e8

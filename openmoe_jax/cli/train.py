@@ -25,7 +25,7 @@ from openmoe_jax.trainer import train
 # `ce_loss` the cross-entropy, `loss` the cross-entropy plus the auxiliary losses.
 SUMMARY_KEYS = ("first_eval_ce_loss", "last_eval_ce_loss", "last_train_loss",
                 "last_train_ce_loss", "tokens_per_sec", "mfu", "tokens_per_sec_median",
-                "mfu_median", "final_step")
+                "mfu_median", "mfu_peak_gflops", "final_step")
 
 PROGRAM = flags.Program(
     "openmoe-train",
