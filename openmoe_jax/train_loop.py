@@ -215,8 +215,9 @@ class TrainLoop:
     windows' rates, and their median, min and max (`tokens_per_sec_median`, ...:
     on a shared machine a few windows slowed by other work pull the mean down,
     the median shows the typical window); `mfu` and `mfu_median` of the mean and
-    the median with an MFU meter. Windows that included compilation count only
-    when no other window exists. All None when no step ran."""
+    the median with an MFU meter, and `mfu_peak_gflops`, the peak they divide by.
+    Windows that included compilation count only when no other window exists.
+    All None when no step ran."""
     rates = self.steady_tokens_per_sec or self.all_tokens_per_sec
     stats = {"tokens_per_sec": np.mean, "tokens_per_sec_median": np.median,
              "tokens_per_sec_min": np.min, "tokens_per_sec_max": np.max}
