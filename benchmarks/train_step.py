@@ -111,8 +111,12 @@ class StepPath:
     self.compile_s = time.perf_counter() - start
 
   def __call__(self):
+    return self.step(self.batch)
+
+  def step(self, batch):
+    """Runs one step on `batch` (state replaced); returns and keeps its metrics."""
     with partitioning.activate(self.trainer.mesh):
-      self.state, self.metrics = self.trainer.train_step(self.state, self.batch, self.rng)
+      self.state, self.metrics = self.trainer.train_step(self.state, batch, self.rng)
     return self.metrics
 
 
@@ -134,10 +138,7 @@ class DataPath:
     self.first_loss = float(self()["loss"])
 
   def __call__(self):
-    base = self.base
-    with partitioning.activate(self.trainer.mesh):
-      base.state, self.metrics = self.trainer.train_step(base.state, next(self.batches),
-                                                         base.rng)
+    self.metrics = self.base.step(next(self.batches))
     return self.metrics
 
 

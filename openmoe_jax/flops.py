@@ -158,14 +158,21 @@ def measured_matmul_peak_flops(dtype: Any = jnp.float32, size: int = 1024,
   return 2.0 * size ** 3 / best
 
 
-MEASURED = "measured"  # how resolve_peak_flops's source of a calibrated peak starts
+def _calibration_size(device: jax.Device) -> int:
+  """Returns the calibration matmul's width on `device`: 4096 on GPU, 1024 elsewhere."""
+  return 4096 if device.platform == "gpu" else 1024
 
 
-def calibration(dtype: Any, device: jax.Device) -> Callable[[], float]:
-  """Returns the calibration that measures `device`'s peak: the fastest matmul in
-  `dtype`, 4096-wide on GPU, 1024 elsewhere."""
-  size = 4096 if device.platform == "gpu" else 1024
-  return functools.partial(measured_matmul_peak_flops, dtype, size, device=device)
+def calibration(peak_flops_per_sec: Optional[float], dtype: Any,
+                device: jax.Device) -> Optional[Callable[[], float]]:
+  """Returns the calibration that measures `device`'s peak (the fastest matmul in
+  `dtype`), or None when the peak does not come from one: given in gin, or a
+  known TPU's spec sheet."""
+  if peak_flops_per_sec is not None or (device.platform == "tpu"
+                                        and device.device_kind in TPU_PEAK_FLOPS):
+    return None
+  return functools.partial(measured_matmul_peak_flops, dtype,
+                           _calibration_size(device), device=device)
 
 
 def resolve_peak_flops(peak_flops_per_sec: Optional[float], dtype: Any,
@@ -179,11 +186,11 @@ def resolve_peak_flops(peak_flops_per_sec: Optional[float], dtype: Any,
                        "(or None: measure it)")
     return float(peak_flops_per_sec), "train.peak_flops_per_sec"
   device = device or jax.devices()[0]
-  if device.platform == "tpu" and device.device_kind in TPU_PEAK_FLOPS:
+  calibrate = calibration(None, dtype, device)
+  if calibrate is None:
     return TPU_PEAK_FLOPS[device.device_kind], f"the {device.device_kind} spec sheet"
-  calibrate = calibration(dtype, device)
-  size = calibrate.args[1]
-  return calibrate(), (f"{MEASURED}: fastest {size}x{size} {jnp.dtype(dtype).name} "
+  size = _calibration_size(device)
+  return calibrate(), (f"measured: fastest {size}x{size} {jnp.dtype(dtype).name} "
                        f"matmul on {device.device_kind}")
 
 
@@ -250,10 +257,11 @@ def mfu_meter(cfg: ModelConfig, sequence_length: int, batch_tokens: int, mesh,
   local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
   peak, source = resolve_peak_flops(peak_flops_per_sec, cfg.dtype, local[0])
   devices = peak_devices(mesh)
-  measured = source.startswith(MEASURED)
+  calibrate = calibration(peak_flops_per_sec, cfg.dtype, local[0])
+  measured = calibrate is not None
   print_fn(f"MFU peak: {peak / 1e9:.1f} GFLOP/s per device x {devices} ({source}"
            f"{'; measured again at each evaluation, the highest kept' if measured else ''}"
            f"); model {counts['total'] / 1e6:.2f} MFLOP/token, hardware "
            f"{counts['hardware_total'] / 1e6:.2f} MFLOP/token (training)")
   return MfuMeter(counts["total"], counts["hardware_total"], peak, devices,
-                  calibration(cfg.dtype, local[0]) if measured else None)
+                  calibrate)
