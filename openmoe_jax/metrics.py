@@ -116,8 +116,10 @@ def format_hms(seconds: float) -> str:
 class ProgressPrinter:
   """Prints one console line per call: step/total, loss, tokens/s, elapsed, ETA.
 
-  The ETA extrapolates the mean speed since the first call (start_step), so time
-  spent before it (compilation, restore) does not distort it.
+  Elapsed counts from construction (start_step). The ETA extrapolates the mean
+  speed since the first printed line, so the first window's compilation (or a
+  restore) does not inflate every later ETA; the first line itself, with nothing
+  after compilation to go on yet, extrapolates the mean speed since start_step.
   """
 
   def __init__(self, total_steps: int, start_step: int = 0,
@@ -128,13 +130,19 @@ class ProgressPrinter:
     self._print = print_fn or (lambda line: print(line, file=sys.stdout, flush=True))
     self._clock = clock
     self._start_time = clock()
+    self._first_line = None  # (step, time) of the first printed line
 
   def line(self, step: int, loss: float | None = None,
            tokens_per_sec: float | None = None) -> str:
     """Returns the progress line for `step` without printing it."""
-    elapsed = self._clock() - self._start_time
-    done = step - self.start_step
-    eta = (self.total_steps - step) * elapsed / done if done > 0 else float("nan")
+    now = self._clock()
+    elapsed = now - self._start_time
+    from_step, from_time = self.start_step, self._start_time
+    if self._first_line is not None and step > self._first_line[0]:
+      from_step, from_time = self._first_line
+    done = step - from_step
+    eta = ((self.total_steps - step) * (now - from_time) / done if done > 0
+           else float("nan"))
     width = len(str(self.total_steps))
     parts = [f"step {step:>{width}}/{self.total_steps}"]
     if loss is not None:
@@ -149,4 +157,6 @@ class ProgressPrinter:
     """Prints and returns the progress line for `step`."""
     text = self.line(step, loss, tokens_per_sec)
     self._print(text)
+    if self._first_line is None:
+      self._first_line = (step, self._clock())
     return text

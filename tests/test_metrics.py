@@ -78,6 +78,22 @@ def test_progress_printer_line_and_eta():
   assert printer.line(100).endswith("eta ?:??:??")
 
 
+
+def test_progress_eta_leaves_out_the_first_windows_compilation():
+  # The quickstart's shape: 300 steps, the first window of 10 steps takes 30 s
+  # (compilation), then every 10 steps take 12 s.
+  now = [0.0]
+  printer = metrics.ProgressPrinter(total_steps=300, print_fn=lambda _: None,
+                                    clock=lambda: now[0])
+  now[0] = 30.0
+  assert printer.update(10).endswith("eta 0:14:30")  # 290 x 3 s: nothing else known
+  now[0] = 42.0
+  # 280 steps at 1.2 s (the window after compilation), not at 42 / 20 = 2.1 s.
+  assert printer.update(20).endswith("elapsed 0:00:42 | eta 0:05:36")
+  now[0] = 54.0
+  assert printer.update(30).endswith("eta 0:05:24")  # 270 x (24 s / 20 steps)
+  assert printer.line(10).endswith("eta 0:26:06")  # not past the first line: since start
+
 def test_drop_rows_after_keeps_earlier_rows_only(tmp_path):
   model_dir = str(tmp_path / "run")
   with metrics.MetricsLogger(model_dir) as logger:
