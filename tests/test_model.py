@@ -137,7 +137,11 @@ def test_changing_a_future_token_leaves_past_logits_unchanged():
   logits = apply(params, tokens)[0]
   changed = tokens.at[:, 7].set((tokens[:, 7] + 1) % TINY.vocab_size)
   logits2 = apply(params, changed)[0]
-  np.testing.assert_array_equal(logits[:, :7], logits2[:, :7])
+  # Not bit for bit: on an AVX2-only AMD EPYC (Zen 3) the einsum dispatcher's past
+  # logits moved by up to 6.6e-7 (XLA:CPU's kernels; the sort dispatcher's did not
+  # move). A leak through attention or routing moves them by 1e-3 or more (see the
+  # choice-major test above); the tolerance sits far below that.
+  np.testing.assert_allclose(logits[:, :7], logits2[:, :7], rtol=0, atol=1e-5)
   assert not np.allclose(logits[:, 7:], logits2[:, 7:])
 
 
