@@ -78,7 +78,6 @@ def test_progress_printer_line_and_eta():
   assert printer.line(100).endswith("eta ?:??:??")
 
 
-
 def test_progress_eta_leaves_out_the_first_windows_compilation():
   # The quickstart's shape: 300 steps, the first window of 10 steps takes 30 s
   # (compilation), then every 10 steps take 12 s.
@@ -93,6 +92,7 @@ def test_progress_eta_leaves_out_the_first_windows_compilation():
   now[0] = 54.0
   assert printer.update(30).endswith("eta 0:05:24")  # 270 x (24 s / 20 steps)
   assert printer.line(10).endswith("eta 0:26:06")  # not past the first line: since start
+
 
 def test_drop_rows_after_keeps_earlier_rows_only(tmp_path):
   model_dir = str(tmp_path / "run")
