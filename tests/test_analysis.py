@@ -165,7 +165,8 @@ def test_recorder_agrees_with_the_model_routing_statistics(scan_layers):
   assert moe_layer_numbers(cfg) == [3, 5]
   b, t = 4, 32
   tokens = jax.random.randint(jax.random.PRNGKey(1), (b, t), 1, 128)
-  params = nn.unbox(Decoder(cfg).init(jax.random.PRNGKey(0), tokens))["params"]
+  # Jitted: op by op, the unscanned init alone took about a minute on a slow CPU.
+  params = nn.unbox(jax.jit(Decoder(cfg).init)(jax.random.PRNGKey(0), tokens))["params"]
   batch = {"decoder_input_tokens": np.asarray(tokens, np.int32),
            "decoder_positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)),
            "decoder_segment_ids": np.ones((b, t), np.int32)}
