@@ -340,12 +340,12 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
                f"{train_steps} (raise --gin.TRAIN_STEPS to train further)")
     if jax.process_index() == 0:
       gin_utils.write_operative_config(model_dir)
-    host_data = functools.partial(
-        pipeline.get_sharded_dataset, sequence_length=sequence_length,
+    host_passes = functools.partial(
+        pipeline.sharded_passes, sequence_length=sequence_length,
         batch_size=batch_size // jax.process_count(), shard_indices=my_shards,
         num_shards=num_data_shards)
     stage_for_step = _stage_schedule(
-        trainer, stages, host_data, rng=rng, seed=seed,
+        trainer, stages, host_passes, rng=rng, seed=seed,
         trained_batches=position["train_batches"], eval_split=eval_split,
         eval_batches=eval_batches, print_fn=print_fn)
     logger = MetricsLogger(model_dir, is_chief=jax.process_index() == 0)
@@ -403,13 +403,15 @@ def _initial_state(trainer: Trainer, ckpt: Checkpointer, model_dir: str,
   return trainer.init_state(rng), {"train_batches": 0}
 
 
-def _stage_schedule(trainer: Trainer, stages: Sequence[Stage], host_data, *, rng, seed,
+def _stage_schedule(trainer: Trainer, stages: Sequence[Stage], host_passes, *, rng, seed,
                     trained_batches: int, eval_split: str, eval_batches: int,
                     print_fn) -> Callable[[int], LoopStage]:
   """Returns stage_for_step(step) -> the LoopStage that runs training step `step`.
 
   A stage is built when its first step comes: its Trainer (train's, or one for the
-  stage's own objective) and its training data, resumed past `trained_batches`.
+  stage's own objective), its training data, resumed past `trained_batches`, and its
+  eval data (`host_passes` builds the pipeline once; each evaluation starts a new
+  pass over the same batches).
   """
   @functools.lru_cache(maxsize=None)
   def build(index: int) -> LoopStage:
@@ -417,15 +419,17 @@ def _stage_schedule(trainer: Trainer, stages: Sequence[Stage], host_data, *, rng
     same = stage.objective is None or stage.objective is trainer.objective
     stage_trainer = trainer if same else trainer.with_objective(stage.objective)
     skip = max(trained_batches - stage.start_step, 0)
-    batches = host_data(stage.mixture_or_task_name, seed=seed + index, skip_batches=skip)
+    batches = host_passes(stage.mixture_or_task_name, seed=seed + index,
+                        skip_batches=skip)()
+    # Built once per stage: each evaluation replays the same batches.
+    eval_pass = host_passes(stage.mixture_or_task_name, split=eval_split, shuffle=False,
+                          repeat=False, num_batches=eval_batches)
     if len(stages) > 1:
       print_fn(f"Stage {index}: {stage.mixture_or_task_name} with "
                f"{type(stage_trainer.objective).__name__} from step {stage.start_step}")
     return LoopStage(
         train_step=lambda state, batch: stage_trainer.train_step(state, batch, rng),
-        evaluate=lambda params: stage_trainer.evaluate(params, host_data(
-            stage.mixture_or_task_name, split=eval_split, shuffle=False, repeat=False,
-            num_batches=eval_batches)),
+        evaluate=lambda params: stage_trainer.evaluate(params, eval_pass()),
         batches=batches)
 
   return lambda step: build(stage_index(stages, step))

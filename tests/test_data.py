@@ -210,6 +210,27 @@ def test_validation_is_finite_deterministic_and_shardable(vocab):
                             shard1["decoder_target_tokens"])
 
 
+def test_eval_passes_build_the_pipeline_once_and_replay_the_same_batches(
+    vocab, monkeypatch):
+  # The trainer evaluates through sharded_passes: a mixture (seeded sampling between
+  # its tasks) on two data shards, read twice, must give get_sharded_dataset's
+  # batches both times, from one seqio pipeline per shard.
+  del vocab
+  args = dict(mixture_or_task_name="local_mix", sequence_length=SEQ, batch_size=4,
+              shard_indices=[0, 1], num_shards=2, split="validation", shuffle=False,
+              repeat=False, num_batches=3)
+  expected = list(pipeline.get_sharded_dataset(**args))
+  assert len(expected) == 3
+  built = []
+  real = seqio.get_dataset
+  monkeypatch.setattr(seqio, "get_dataset",
+                      lambda *a, **k: built.append(a) or real(*a, **k))
+  new_pass = pipeline.sharded_passes(**args)
+  _assert_batches_equal(expected, list(new_pass()))
+  _assert_batches_equal(expected, list(new_pass()))
+  assert len(built) == 2  # one per shard, not one per pass
+
+
 def _code_share(vocab, name, n_batches=6, batch_size=64):
   """Returns the share of unpacked examples that are not from the prose corpus."""
   prose = "\n".join(d["text"] for d in corpus.read_documents("text", "train"))

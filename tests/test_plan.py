@@ -120,10 +120,14 @@ def test_a_step_that_cannot_fit_is_reported_not_raised():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("topology", ["v4:2x2x1", "v5e:2x2", "v5p:2x2x1", "v6e:2x2"])
+@pytest.mark.parametrize("topology", ["v4:2x2x1", "v5e:2x2"])
 def test_openmoe_base_preset_compiles_for_small_topologies(topology):
   # The real Base/16E preset (12 layers, 16 experts, 256,384-entry vocabulary); a
-  # short batch keeps the compile under a minute (one MoE group of 2048 tokens).
+  # short batch keeps the compile short (one MoE group of 2048 tokens).
+  # Two of the five generations (2 to 3 minutes of compile each on a slow 2-core
+  # host): v4's 8 devices (two TensorCores per chip: 2 experts per device) and
+  # v5e's 4 (4 experts per device, the smallest HBM). The tiny-model test above
+  # compiles the same program structure for all five.
   gin.clear_config()
   gin_utils.import_configurables()
   gin_utils.parse_gin(["models/openmoe_base_16e.gin"],

@@ -7,8 +7,9 @@ after n batches.
 
 from __future__ import annotations
 
+import inspect
 import os
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -153,6 +154,20 @@ def get_dataset(
   `shard_index`/`num_shards` select this host's share of the examples.
   A data file that cannot be read or parsed raises DataFileError.
   """
+  ds = _tf_dataset(mixture_or_task_name, sequence_length, batch_size, split=split,
+                   shuffle=shuffle, seed=seed, repeat=repeat, skip_batches=skip_batches,
+                   pack=pack, shard_index=shard_index, num_shards=num_shards,
+                   num_batches=num_batches)
+  return _batches(ds, mixture_or_task_name, split)
+
+
+def _tf_dataset(mixture_or_task_name: str, sequence_length: int, batch_size: int, *,
+                split: str, shuffle: bool, seed: int, repeat: bool, skip_batches: int,
+                pack: bool, shard_index: int, num_shards: int,
+                num_batches: Optional[int]) -> tf.data.Dataset:
+  """Returns the tf.data pipeline behind `get_dataset` (same arguments). Building
+  it traces every preprocessor (seconds); iterating it again replays the same
+  batches when it neither shuffles nor samples without a seed."""
   tasks.register_tasks()
   shard_info = (seqio.ShardInfo(index=shard_index, num_shards=num_shards)
                 if num_shards > 1 else None)
@@ -174,8 +189,7 @@ def get_dataset(
     ds = ds.skip(skip_batches)
   if num_batches is not None:
     ds = ds.take(num_batches)
-  ds = ds.prefetch(2)
-  return _batches(ds, mixture_or_task_name, split)
+  return ds.prefetch(2)
 
 
 def get_sharded_dataset(mixture_or_task_name: str, sequence_length: int,
@@ -187,14 +201,38 @@ def get_sharded_dataset(mixture_or_task_name: str, sequence_length: int,
   one shard are the same whichever process reads it together with which others.
   `kwargs` go to `get_dataset` (split, seed, skip_batches, ...); the iterator
   ends with the shortest shard."""
+  return sharded_passes(mixture_or_task_name, sequence_length, batch_size,
+                        shard_indices, num_shards, **kwargs)()
+
+
+def sharded_passes(mixture_or_task_name: str, sequence_length: int, batch_size: int,
+                   shard_indices: Sequence[int], num_shards: int, split: str = "train",
+                   **kwargs) -> Callable[[], Iterator[dict[str, np.ndarray]]]:
+  """Returns a function that starts a new pass over `get_sharded_dataset`'s
+  batches (same arguments). The pipeline is built once, here: evaluation calls
+  the function at every eval step without tracing the preprocessors again; with
+  shuffle=False each pass yields the same batches."""
   shard_indices = list(shard_indices)
   if not shard_indices or batch_size % len(shard_indices):
     raise ValueError(f"batch_size {batch_size} cannot be split evenly over the data "
                      f"shards {shard_indices}")
-  parts = [get_dataset(mixture_or_task_name, sequence_length,
-                       batch_size // len(shard_indices), shard_index=index,
-                       num_shards=num_shards, **kwargs) for index in shard_indices]
-  if len(parts) == 1:
-    return parts[0]
-  return ({k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
-          for batches in zip(*parts))
+  settings = dict(_GET_DATASET_DEFAULTS, split=split, **kwargs)
+  datasets = [_tf_dataset(mixture_or_task_name, sequence_length,
+                          batch_size // len(shard_indices), shard_index=index,
+                          num_shards=num_shards, **settings) for index in shard_indices]
+
+  def new_pass() -> Iterator[dict[str, np.ndarray]]:
+    parts = [_batches(ds, mixture_or_task_name, split) for ds in datasets]
+    if len(parts) == 1:
+      return parts[0]
+    return ({k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+            for batches in zip(*parts))
+
+  return new_pass
+
+
+# get_dataset's keyword defaults, for the functions that forward to _tf_dataset.
+_GET_DATASET_DEFAULTS = {
+    name: p.default for name, p in inspect.signature(get_dataset).parameters.items()
+    if p.default is not inspect.Parameter.empty and name not in (
+        "shard_index", "num_shards", "split")}
