@@ -32,19 +32,24 @@ def _outputs_and_grads(cfg, dispatcher, params, x_btd, ct_btd):
   return y_btd, aux, grads[0], grads[1]
 
 
-def _compare(cfg, dispatcher, reference_cfg=None, seed=0):
-  """Asserts `dispatcher` == einsum (on `reference_cfg`, default cfg): y and grads."""
+def _compare(cfg, engines, reference_cfg=None, seed=0):
+  """Asserts each of `engines` == einsum (on `reference_cfg`, default cfg): y and
+  grads. Returns (each engine's aux, the reference's aux)."""
   x_btd = jax.random.normal(jax.random.PRNGKey(seed), (B, T, D))
   ct_btd = jax.random.normal(jax.random.PRNGKey(seed + 7), (B, T, D))
-  params = nn.unbox(MoeLayer(cfg, "swiglu", D_FF).init(
-      jax.random.PRNGKey(seed + 1), x_btd, train=True))
-  got = _outputs_and_grads(cfg, dispatcher, params, x_btd, ct_btd)
+  init = jax.jit(MoeLayer(cfg, "swiglu", D_FF).init, static_argnames="train")
+  params = nn.unbox(init(jax.random.PRNGKey(seed + 1), x_btd, train=True))
   want = _outputs_and_grads(reference_cfg or cfg, EinsumDispatcher(), params, x_btd,
                             ct_btd)
-  np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
-  for a, b in zip(jax.tree.leaves((got[2], got[3])), jax.tree.leaves((want[2], want[3]))):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
-  return got[1], want[1]
+  auxes = []
+  for engine in engines:
+    got = _outputs_and_grads(cfg, engine, params, x_btd, ct_btd)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6, err_msg=repr(engine))
+    for a, b in zip(jax.tree.leaves((got[2], got[3])),
+                    jax.tree.leaves((want[2], want[3]))):
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=repr(engine))
+    auxes.append(got[1])
+  return auxes, want[1]
 
 
 TOKEN_CASES = [  # (experts, top_k, capacity factor)
@@ -52,51 +57,50 @@ TOKEN_CASES = [  # (experts, top_k, capacity factor)
 
 
 # The block dispatcher with its default chunks (one 128-row chunk runs past every
-# expert) and with chunks of 4 / 1 rows (all remainder sizes).
+# expert) and with chunks of 4 / 1 rows (all remainder sizes). Each test compares
+# all of them with one einsum reference.
 CAPACITY_ENGINES = [SortDispatcher(), BlockDispatcher(), BlockDispatcher(big=4, small=1)]
+DROPLESS_ENGINES = [RaggedDispatcher("padded", tile=4),
+                    RaggedDispatcher("ragged_dot", tile=4), BlockDispatcher(),
+                    BlockDispatcher(big=4, small=2)]
 
 
-@pytest.mark.parametrize("engine", CAPACITY_ENGINES)
 @pytest.mark.parametrize("num_experts,top_k,cf", TOKEN_CASES)
-def test_sort_and_block_equal_einsum_token_choice(num_experts, top_k, cf, engine):
+def test_sort_and_block_equal_einsum_token_choice(num_experts, top_k, cf):
   cfg = MoeConfig(num_experts=num_experts, top_k=top_k, group_size=16,
                   capacity_factor_train=cf, min_capacity=1, router_init_std=2.0)
-  aux, _ = _compare(cfg, engine, seed=num_experts + top_k)
+  auxes, _ = _compare(cfg, CAPACITY_ENGINES, seed=num_experts + top_k)
   if cf <= 0.5:
-    assert float(aux["drop_fraction"]) > 0.3, "heavy overflow expected"
+    assert all(float(aux["drop_fraction"]) > 0.3 for aux in auxes), "heavy overflow"
 
 
-@pytest.mark.parametrize("engine", CAPACITY_ENGINES)
 @pytest.mark.parametrize("level", ["batch", "sequence"])
-def test_sort_and_block_equal_einsum_expert_choice(level, engine):
+def test_sort_and_block_equal_einsum_expert_choice(level):
   cfg = MoeConfig(num_experts=4, top_k=2, group_size=32, capacity_factor_train=1.0,
                   router=ExpertChoiceRouter(level=level), router_init_std=2.0)
-  _compare(cfg, engine)
+  _compare(cfg, CAPACITY_ENGINES)
 
 
-@pytest.mark.parametrize("engine", [RaggedDispatcher("padded", tile=4),
-                                    RaggedDispatcher("ragged_dot", tile=4),
-                                    BlockDispatcher(), BlockDispatcher(big=4, small=2)])
 @pytest.mark.parametrize("num_experts,top_k", [(4, 2), (16, 3), (4, 1)])
-def test_ragged_and_block_equal_dropless_einsum(engine, num_experts, top_k):
+def test_ragged_and_block_equal_dropless_einsum(num_experts, top_k):
   cfg = MoeConfig(num_experts=num_experts, top_k=top_k, group_size=16,
                   router=TokenChoiceRouter(dropless=True), router_init_std=2.0)
-  aux, _ = _compare(cfg, engine, seed=top_k)
-  assert float(aux["drop_fraction"]) == 0
+  auxes, _ = _compare(cfg, DROPLESS_ENGINES, seed=top_k)
+  assert all(float(aux["drop_fraction"]) == 0 for aux in auxes)
 
 
 @pytest.mark.parametrize("router", [TokenChoiceRouter(), ExpertChoiceRouter()])
 def test_ragged_honours_capacity_drops(router):
   cfg = MoeConfig(num_experts=4, top_k=2, group_size=16, capacity_factor_train=0.5,
                   min_capacity=1, router=router, router_init_std=2.0)
-  _compare(cfg, RaggedDispatcher("padded", tile=4))
+  _compare(cfg, [RaggedDispatcher("padded", tile=4)])
 
 
 def test_ragged_equals_einsum_when_nothing_drops():
   dropless = MoeConfig(num_experts=4, top_k=2, group_size=16, router_init_std=0.1,
                        router=TokenChoiceRouter(dropless=True))
   ample = dropless.replace(router=TokenChoiceRouter(), capacity_factor_train=4.0)
-  _, want_aux = _compare(dropless, RaggedDispatcher(), reference_cfg=ample)
+  _, want_aux = _compare(dropless, [RaggedDispatcher()], reference_cfg=ample)
   assert float(want_aux["drop_fraction"]) == 0
 
 
@@ -120,7 +124,7 @@ def test_dispatchers_agree_inside_the_scanned_decoder():
   cfg = ModelConfig(vocab_size=64, d_model=16, num_heads=2, head_dim=8, d_ff=24,
                     num_layers=4, moe=moe)
   tokens_bt = jax.random.randint(jax.random.PRNGKey(0), (2, 16), 0, 64)
-  params = nn.unbox(Decoder(cfg).init(jax.random.PRNGKey(1), tokens_bt))["params"]
+  params = nn.unbox(jax.jit(Decoder(cfg).init)(jax.random.PRNGKey(1), tokens_bt))["params"]
 
   def loss_and_grads(dispatcher):
     model = Decoder(cfg.replace(moe=moe.replace(dispatcher=dispatcher)))

@@ -196,22 +196,23 @@ class NanOnMarker:
 
 
 def _mark_train_batches(monkeypatch, bad_steps):
-  """Puts MARKER into the training batches of `bad_steps` (batch n feeds step n)."""
-  original = pipeline.get_dataset
+  """Puts MARKER into the training batches of `bad_steps` (batch n feeds step n),
+  where the trainer reads its data: each pass of `pipeline.sharded_passes`."""
+  original = pipeline.sharded_passes
 
-  def get_dataset(*args, split="train", skip_batches=0, **kwargs):
-    batches = original(*args, split=split, skip_batches=skip_batches, **kwargs)
+  def sharded_passes(*args, split="train", skip_batches=0, **kwargs):
+    new_pass = original(*args, split=split, skip_batches=skip_batches, **kwargs)
     if split != "train":
-      return batches
+      return new_pass
     def marked():
-      for step, batch in enumerate(batches, start=skip_batches + 1):
+      for step, batch in enumerate(new_pass(), start=skip_batches + 1):
         if step in bad_steps:
           tokens = batch["decoder_input_tokens"].copy()
           tokens[0, 0] = MARKER
           batch = dict(batch, decoder_input_tokens=tokens)
         yield batch
-    return marked()
-  monkeypatch.setattr(pipeline, "get_dataset", get_dataset)
+    return marked
+  monkeypatch.setattr(pipeline, "sharded_passes", sharded_passes)
 
 
 def _restored(model_dir, step):
