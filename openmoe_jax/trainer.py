@@ -420,10 +420,10 @@ def _stage_schedule(trainer: Trainer, stages: Sequence[Stage], host_passes, *, r
     stage_trainer = trainer if same else trainer.with_objective(stage.objective)
     skip = max(trained_batches - stage.start_step, 0)
     batches = host_passes(stage.mixture_or_task_name, seed=seed + index,
-                        skip_batches=skip)()
+                          skip_batches=skip)()
     # Built once per stage: each evaluation replays the same batches.
-    eval_pass = host_passes(stage.mixture_or_task_name, split=eval_split, shuffle=False,
-                          repeat=False, num_batches=eval_batches)
+    eval_pass = host_passes(stage.mixture_or_task_name, split=eval_split,
+                            shuffle=False, repeat=False, num_batches=eval_batches)
     if len(stages) > 1:
       print_fn(f"Stage {index}: {stage.mixture_or_task_name} with "
                f"{type(stage_trainer.objective).__name__} from step {stage.start_step}")
