@@ -90,3 +90,33 @@ def test_gin_selects_optimizer():
 def test_learning_rate_without_injection_raises():
   with pytest.raises(ValueError):
     optim.learning_rate(optax.sgd(0.1).init({"w": jnp.ones(2)}))
+
+
+@pytest.mark.parametrize("build", [
+    lambda: optim.adamw_warmup_cosine(peak_lr=0.1, warmup_steps=1, total_steps=30,
+                                      weight_decay=0.2),
+    lambda: optim.adamw_wsd(peak_lr=0.1, warmup_steps=1, total_steps=30,
+                            weight_decay=0.2),
+], ids=["warmup_cosine", "wsd"])
+def test_adamw_decays_matrices_and_expert_stacks_but_not_norm_scales_or_scalars(build):
+  """With zero gradients Adam's step is 0, so each update is only the decoupled
+  decay -lr * wd * p: matrices (and [E, d, f] expert stacks) shrink by (1 - lr wd)
+  per step, norm scales / biases (rank 1) and scalars stay exactly as they were."""
+  tx = build()
+  params = {"kernel": jnp.full((4, 3), 2.0), "experts": jnp.full((2, 4, 3), -3.0),
+            "scale": jnp.full((3,), 1.5), "bias": jnp.full((4,), -0.5),
+            "scalar": jnp.asarray(0.7)}
+  state = tx.init(params)
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  factor = 1.0
+  for _ in range(3):
+    updates, state = tx.update(zeros, state, params)
+    params = optax.apply_updates(params, updates)
+    factor *= 1.0 - float(optim.learning_rate(state)) * 0.2
+  assert factor < 0.99  # the learning rate was positive for some step
+  np.testing.assert_allclose(params["kernel"], np.full((4, 3), 2.0 * factor), rtol=1e-6)
+  np.testing.assert_allclose(params["experts"], np.full((2, 4, 3), -3.0 * factor),
+                             rtol=1e-6)
+  np.testing.assert_array_equal(params["scale"], np.full((3,), 1.5, np.float32))
+  np.testing.assert_array_equal(params["bias"], np.full((4,), -0.5, np.float32))
+  np.testing.assert_array_equal(params["scalar"], np.float32(0.7))
