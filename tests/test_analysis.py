@@ -68,6 +68,20 @@ def test_token_id_only_routing_scores_one_and_position_at_chance():
     assert tokens[0]["text"] == f"<{tokens[0]['token_id']}>"
 
 
+def test_explained_routing_entropy_and_information_by_hand():
+  """H(expert), I(expert; label) and consistency on 8 choices worked out by hand."""
+  labels_n = np.array([0, 0, 0, 0, 1, 1, 1, 1])
+  expert_n = np.array([0, 0, 0, 1, 1, 1, 2, 2])
+  # Experts 3, 3, 2 of 8: H(E) = 2 * (3/8) log2(8/3) + (2/8) log2(4).
+  h = 0.75 * np.log2(8 / 3) + 0.5
+  # Label 0: experts (3, 1) -> 0.75 log2(4/3) + 0.25 log2(4); label 1: (2, 2) -> 1.
+  h_cond = 0.5 * (0.75 * np.log2(4 / 3) + 0.5) + 0.5 * 1.0
+  got = analyses.explained_routing(labels_n, expert_n, 4, np.random.default_rng(0))
+  assert got["entropy_bits"] == pytest.approx(h, abs=1e-12)
+  assert got["mutual_information_bits"] == pytest.approx(h - h_cond, abs=1e-12)
+  assert got["consistency"] == pytest.approx((3 + 2) / 8)
+
+
 def test_position_only_routing_scores_the_other_way_round():
   token_n, position_n, _ = _tokens_positions()
   result = analyses.token_specialization(_record(token_n, position_n, position_n[None] % E))

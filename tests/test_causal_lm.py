@@ -137,3 +137,30 @@ def test_accuracy_counts_a_tie_for_the_largest_logit_as_wrong():
     weights = jnp.zeros((1, 4)).at[0, row].set(1.0)
     _, metrics = weighted_cross_entropy(logits, targets, weights)
     assert float(metrics["accuracy"]) == expected, row
+
+
+def test_packed_batch_loss_equals_the_documents_run_one_by_one():
+  """A packed row (two documents and padding): CausalLm must hand the segment ids to
+  the model, so its CE equals NumPy's CE on each document's logits run alone. Dense
+  layers: MoE capacity would couple the documents through their shared group."""
+  cfg = CFG.replace(sparse_interval=0)
+  model = Decoder(cfg)
+  rng = np.random.default_rng(5)
+  inputs = rng.integers(1, cfg.vocab_size, (1, 12))
+  targets = rng.integers(1, cfg.vocab_size, (1, 12))
+  seg = np.array([[1] * 5 + [2] * 5 + [0] * 2])
+  pos = np.array([list(range(5)) + list(range(5)) + [0, 0]])
+  weights = (seg > 0).astype(np.float32)
+  batch = {"decoder_input_tokens": jnp.asarray(inputs),
+           "decoder_target_tokens": jnp.asarray(targets),
+           "decoder_loss_weights": jnp.asarray(weights),
+           "decoder_segment_ids": jnp.asarray(seg), "decoder_positions": jnp.asarray(pos)}
+  params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), batch["decoder_input_tokens"]))
+  _, metrics = jax.jit(lambda p, b: CausalLm(z_loss=0.0)(
+      model, p["params"], b, jax.random.PRNGKey(0), train=False))(params, batch)
+  alone = [np.asarray(model.apply(params, jnp.asarray(inputs[:, a:b]))[0])
+           for a, b in ((0, 5), (5, 10))]
+  ce, _, _ = _np_weighted_loss(np.concatenate(alone, axis=1), targets[:, :10],
+                               np.ones((1, 10)), 0.0)
+  assert float(metrics["num_tokens"]) == 10
+  assert float(metrics["ce_loss"]) == pytest.approx(ce, rel=1e-5)

@@ -199,3 +199,22 @@ def test_tasks_come_from_the_same_tree_as_the_package():
   assert os.path.abspath(tasks_lib.__file__) == expected
   assert openmoe.__name__ == "openmoe_jax.tasks.openmoe"
   assert _source_tasks.SourceTasksFinder.find_spec("openmoe_jax.other") is None
+
+
+def test_local_mix_rates_follow_code_rate_for_lm_and_ul2():
+  """Both local mixtures (causal LM and UL2) take code_rate and 1 - code_rate, at a
+  code_rate other than the default 0.5 (where swapped or copied rates look right)."""
+  gin.bind_parameter("local_mix_rates.code_rate", 0.15)
+  pipeline.tasks.register_tasks()
+  expected = {"code": 0.15, "text": 0.85}
+  try:
+    for name in ("local_mix", "local_mix_ul2"):
+      mix = seqio.get_mixture_or_task(name)
+      per_source = {}
+      for t in mix.tasks:  # UL2: the denoiser tasks of each source
+        source = t.name.split("_")[1]
+        per_source[source] = per_source.get(source, 0) + mix.get_rate(t) / mix.total_rate
+      assert per_source == pytest.approx(expected, abs=1e-9), name
+  finally:  # the UL2 mixture keeps its rates as numbers: register the defaults again
+    gin.clear_config()
+    pipeline.tasks.register_tasks()

@@ -41,6 +41,16 @@ def test_sparse_layer_layout_openmoe_base_and_dense_first():
   assert layer_segments((False,) * 3, 1) == [((False,), 3)]
 
 
+def test_sparse_layer_layout_first_sparse_layer_is_num_dense_first():
+  """The boundary i == num_dense_first: sparse when the interval puts a sparse layer
+  there (every layer with interval 1, DeepSeek's first_k_dense_replace)."""
+  every = ModelConfig(num_layers=5, sparse_interval=1, num_dense_first=2)
+  assert [i for i, s in enumerate(every.sparse_layers()) if s] == [2, 3, 4]
+  odd = ModelConfig(num_layers=8, sparse_interval=2, num_dense_first=3)
+  assert [i for i, s in enumerate(odd.sparse_layers()) if s] == [3, 5, 7]
+  assert ModelConfig(num_layers=3, sparse_interval=1).sparse_layers() == (True,) * 3
+
+
 def test_attention_masks_by_kind():
   seg = jnp.asarray([[1, 1, 1, 2, 2, 0]])
   prefix = jnp.asarray([[1, 1, 0, 1, 0, 0]])

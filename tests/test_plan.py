@@ -159,6 +159,18 @@ def test_roofline_arithmetic():
   assert plan.roofline(1e12, 1e11, 1e14, 1e12)["bound"] == "HBM"
 
 
+def test_the_estimate_uses_the_loop_corrected_compiled_flops():
+  # TINY's two layers are one scanned unit seen once, so only the 2 microbatches are
+  # under-counted: XLA's FLOPs x 2 on 4 v5e chips at their spec-sheet peak.
+  _configure()
+  report = plan.plan("v5e:2x2", batch_size=8, sequence_length=256, microbatches=2)
+  assert report["loop_correction"] == pytest.approx(2.0)
+  assert report["estimated_compute_s"] == pytest.approx(
+      report["compiled_flops"] * 2 / (4 * PEAK["v5e"]), rel=1e-9)
+  assert report["estimated_step_s"] == pytest.approx(
+      max(report["estimated_compute_s"], report["estimated_memory_s"]), rel=1e-12)
+
+
 def test_loop_undercount_by_hand():
   # Four dense layers scanned one at a time: XLA sees one layer of four (plus the
   # head, outside the scan) and one of the two microbatches.

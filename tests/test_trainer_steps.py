@@ -72,18 +72,28 @@ def test_multi_host_detection(monkeypatch, hosts, expected):
 
 def test_reported_throughput_waits_for_the_asynchronous_steps():
   import time  # pylint: disable=g-import-not-at-top
+  # (J / n) ** k == J / n: every step maps the all-(1/n) matrix to itself, so the
+  # steps can be chained through the state without the values drifting.
   heavy = jax.jit(lambda x: jnp.linalg.matrix_power(x @ x.T, 40))
   x = jnp.ones((384, 384)) / 384
 
   def slow_step(state, batch):
-    return state, {"loss": jnp.sum(heavy(x)), "ce_loss": jnp.float32(1.0)}
+    # Each step needs the previous one's result, as a real train step does: the
+    # runtime cannot overlap two steps, so none is faster than a lone `heavy` call.
+    params = heavy(state.params)
+    return (TrainState(state.step, params, ()),
+            {"loss": jnp.sum(params), "ce_loss": jnp.float32(1.0)})
+
+  def fastest_heavy_call():
+    times = []
+    for _ in range(5):
+      tic = time.perf_counter()
+      heavy(x).block_until_ready()
+      times.append(time.perf_counter() - tic)
+    return min(times)
 
   heavy(x).block_until_ready()
-  step_times = []
-  for _ in range(5):
-    tic = time.perf_counter()
-    heavy(x).block_until_ready()
-    step_times.append(time.perf_counter() - tic)
+  fastest_before = fastest_heavy_call()
 
   class _Null:
     def save(self, *a, **k): return False
@@ -94,14 +104,16 @@ def test_reported_throughput_waits_for_the_asynchronous_steps():
   stage = LoopStage(slow_step, lambda p: {"ce_loss": 0.0, "accuracy": 0.0}, data)
   loop = TrainLoop(lambda step: stage, _Null(), _Null(), lambda *_: None,
                    tokens_per_batch=1000)
-  state = TrainState(jnp.zeros((), jnp.int32), {}, ())
+  state = TrainState(jnp.zeros((), jnp.int32), x, ())
   summary = loop.run(state, train_steps=12, eval_every=1000, log_every=4)
-  # A step runs `heavy` at least, so no honest rate exceeds one batch per fastest
-  # `heavy` call (1.5x for noise). Without waiting for the steps, the rate would count
-  # dispatch time only (~100x). (The bound used to be 2x the rate over the whole
-  # call's wall time, which includes compilation: on a slow CPU where a step takes
-  # 12 ms, an honest rate broke it.)
-  assert summary["tokens_per_sec"] < 1.5 * 1000 / min(step_times)
+  fastest = min(fastest_before, fastest_heavy_call())
+  # No honest rate exceeds one batch per fastest `heavy` call, timed before and
+  # after the loop (the load on a shared machine changes between the timings and
+  # the loop: CI saw an honest 1.37x; hence 3x). Counting steps that are dispatched
+  # but not finished reports the dispatch rate (15x on C, where the honest rate is
+  # 0.75x). (The bound used to be 2x the rate over the whole call's wall time,
+  # which includes compilation: on a slow CPU an honest rate broke it.)
+  assert summary["tokens_per_sec"] < 3 * 1000 / fastest
 
 
 def test_stage_index_follows_the_schedule():
