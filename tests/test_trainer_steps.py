@@ -1,4 +1,5 @@
 """Train step pieces: exact gradient accumulation over microbatches."""
+import itertools
 import os
 import signal
 
@@ -120,6 +121,52 @@ def test_stage_index_follows_the_schedule():
   from openmoe_jax.trainer import Stage, stage_index  # pylint: disable=g-import-not-at-top
   stages = (Stage(0, "a"), Stage(3, "b"), Stage(5, "c"))
   assert [stage_index(stages, s) for s in range(0, 8)] == [0, 0, 0, 0, 1, 1, 2, 2]
+
+
+def _stage_batches(trained_batches, steps):
+  """Returns the batch each of `steps` trains on when the run resumes after
+  `trained_batches` steps, over three stages of labelled fake batches: (stage name,
+  data seed, index of the batch in the stage's stream)."""
+  from openmoe_jax.trainer import Stage, _stage_schedule  # pylint: disable=g-import-not-at-top
+
+  def host_passes(name, *, seed=None, skip_batches=0, split="train", **kwargs):
+    del kwargs
+    if split != "train":
+      return lambda: iter(())
+    return lambda: ((name, seed, i) for i in itertools.count(skip_batches))
+
+  class _Trainer:
+    objective = CausalLm()
+
+  stages = (Stage(0, "a"), Stage(3, "b"), Stage(5, "c"))
+  schedule = _stage_schedule(_Trainer(), stages, host_passes, rng=None, seed=10,
+                             trained_batches=trained_batches, eval_split="validation",
+                             eval_batches=1, print_fn=lambda *_: None)
+  return [next(schedule(step).batches) for step in steps]
+
+
+def test_a_resumed_run_trains_on_the_batches_an_uninterrupted_one_would():
+  full = _stage_batches(0, range(1, 9))
+  assert full == [("a", 10, 0), ("a", 10, 1), ("a", 10, 2), ("b", 11, 0),
+                  ("b", 11, 1), ("c", 12, 0), ("c", 12, 1), ("c", 12, 2)]
+  for trained in range(1, 8):  # resumed after each step, in and between stages
+    assert _stage_batches(trained, range(trained + 1, 9)) == full[trained:], trained
+
+
+def test_the_checkpoint_of_step_n_records_n_trained_batches():
+  positions = {}
+
+  class _PositionRecorder(_Recorder):
+    def save(self, step, state, position, force=False):
+      if force:
+        positions[step] = dict(position)
+      return super().save(step, force=force)
+
+  loop, _ = _counting_loop(lambda i: None, [])
+  loop.ckpt = _PositionRecorder()
+  loop.run(TrainState(jnp.zeros((), jnp.int32), {}, ()), train_steps=3,
+           eval_every=1000, log_every=10)
+  assert positions == {3: {"train_batches": 3, "skipped_steps": 0}}
 
 
 class _Recorder:
