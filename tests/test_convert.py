@@ -15,6 +15,7 @@ from openmoe_jax import gin_utils, load_model
 from openmoe_jax.checkpoints import Checkpointer
 from openmoe_jax.cli import convert as convert_cli
 from openmoe_jax.config import ModelConfig
+from openmoe_jax.convert import params_export
 from openmoe_jax.convert.hf_io import SafetensorsReader, write_tokenizer
 from openmoe_jax.data import pipeline
 from openmoe_jax.model import Decoder
@@ -291,3 +292,23 @@ def test_training_continues_from_a_params_export(tmp_path):
   # The fresh optimizer state restarts the schedule (warmup: lr 0 at its first
   # step), so the second step moves the exported parameters.
   assert max(moved) > 0
+
+
+def test_an_export_is_never_overwritten_and_needs_both_parts(tmp_path):
+  """A folder counts as a params export only with both export.json and params/;
+  saving into one that holds an export raises FileExistsError and leaves the
+  first export as it was."""
+  out = str(tmp_path / "export")
+  params = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
+  params_export.save(out, dict(params), step=4, config_gin="", source="first")
+  assert params_export.is_params_export(out)
+  with pytest.raises(FileExistsError):
+    params_export.save(out, {"w": np.zeros((2, 3), np.float32)}, step=9,
+                       config_gin="", source="second")
+  assert params_export.read_metadata(out)["step"] == 4
+  np.testing.assert_array_equal(np.asarray(params_export.restore(out)["w"]), params["w"])
+  meta_only, params_only = tmp_path / "meta_only", tmp_path / "params_only"
+  shutil.copytree(out, meta_only, ignore=shutil.ignore_patterns("params"))
+  shutil.copytree(out, params_only, ignore=shutil.ignore_patterns("export.json"))
+  assert not params_export.is_params_export(str(meta_only))
+  assert not params_export.is_params_export(str(params_only))

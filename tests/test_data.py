@@ -308,3 +308,20 @@ def test_text_file_tasks_and_mixture_from_gin(vocab, tmp_path):
   _check_batch(batch, 2, 32)
   assert vocab.decode(batch["decoder_target_tokens"][0].tolist()) in lines
   _check_batch(next(pipeline.get_dataset("tiny_mix", 64, 2)), 2, 64)
+
+
+def test_unpacked_rows_get_one_segment_and_zero_positions_on_padding():
+  """An unpacked batch (seqio gives no segment ids or positions) gets segment 1 and
+  positions 0, 1, ... on each row's tokens, and segment 0 and position 0 on its
+  padding (where the target is 0), as packed batches have."""
+  targets = np.array([[5, 6, 7, 0, 0], [8, 9, 10, 11, 12]], np.int64)
+  inputs = np.array([[0, 5, 6, 7, 0], [0, 8, 9, 10, 11]], np.int64)
+  batch = pipeline._with_segments({  # pylint: disable=protected-access
+      "decoder_input_tokens": inputs, "decoder_target_tokens": targets,
+      "decoder_loss_weights": (targets != 0).astype(np.int64)})
+  assert set(batch) == set(pipeline.BATCH_KEYS)
+  np.testing.assert_array_equal(batch["decoder_segment_ids"],
+                                [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+  np.testing.assert_array_equal(batch["decoder_positions"],
+                                [[0, 1, 2, 0, 0], [0, 1, 2, 3, 4]])
+  assert all(v.dtype == np.int32 for v in batch.values())

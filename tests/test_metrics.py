@@ -65,6 +65,13 @@ def test_format_hms():
   assert metrics.format_hms(float("nan")) == "?:??:??"
 
 
+def test_format_hms_clamps_negative_seconds_to_zero():
+  """A negative time (an ETA once step passes total_steps) prints as 0:00:00,
+  not as -1:59:53."""
+  assert metrics.format_hms(-7) == "0:00:00"
+  assert metrics.format_hms(-0.4) == "0:00:00"
+
+
 def test_progress_printer_line_and_eta():
   now = [100.0]
   printed = []

@@ -184,3 +184,29 @@ def test_factored_moments_are_replicated():
   assert factored and all(specs[k] == P() for k in factored)
   assert [specs[k] for k in specs if k.endswith(".v['norm']['scale']")] == [P("fsdp")]
 
+
+def test_optimizer_moment_takes_the_longest_matching_parameter_path():
+  """A moment of 'mlp/wi' also ends with the path of a top-level 'wi' of the same
+  shape; it must take the sharding of 'mlp/wi' (the longest match), not of 'wi'."""
+  mesh = partitioning.make_mesh(data=1, fsdp=2, tensor=4)
+  box = lambda names: nn.LogicallyPartitioned(
+      jax.ShapeDtypeStruct((32, 32), jnp.float32), names)
+  boxed = {"wi": box(("embed", "mlp")), "mlp": {"wi": box(("mlp", "embed"))}}
+  abstract = jax.eval_shape(optax.adam(1e-3).init, nn.unbox(boxed))
+  shardings = partitioning.opt_state_shardings(abstract, boxed, mesh)
+  specs = {jax.tree_util.keystr(path): s.spec
+           for path, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
+  for moment in ("mu", "nu"):
+    assert specs[f"[0].{moment}['wi']"] == P("fsdp", "tensor")
+    assert specs[f"[0].{moment}['mlp']['wi']"] == P("tensor", "fsdp")
+
+
+def test_batch_shards_counts_every_axis_that_splits_the_batch():
+  """The batch is split over data, fsdp and expert (never tensor): 8 devices as
+  data 2 x expert 4 split it 8 ways, data 2 x fsdp 2 x tensor 2 4 ways, data 2 x
+  tensor 4 2 ways."""
+  assert partitioning.batch_shards(partitioning.make_mesh()) == 8
+  assert partitioning.batch_shards(partitioning.make_mesh(data=2, expert=4)) == 8
+  assert partitioning.batch_shards(
+      partitioning.make_mesh(data=2, fsdp=2, tensor=2)) == 4
+  assert partitioning.batch_shards(partitioning.make_mesh(data=2, tensor=4)) == 2

@@ -155,6 +155,46 @@ def test_changed_shape_is_not_taken_for_damage(tmp_path):
   assert tree_digest(model_dir) == before
 
 
+def test_an_added_or_removed_parameter_is_a_mismatch(tmp_path):
+  """A parameter the checkpoint lacks (a new layer) or holds but the model does not
+  (a removed one) is a changed configuration too: CheckpointMismatchError listing
+  it with None on the side that lacks it, before Orbax reads anything."""
+  model_dir = _saved(tmp_path, steps=(1,))
+  before = tree_digest(model_dir)
+  state = _state(0)
+  added = {"step": state["step"],
+           "params": dict(state["params"], extra=jnp.zeros((2,), jnp.float32))}
+  removed = {"step": state["step"], "params": {"w": state["params"]["w"]}}
+  with checkpoints.Checkpointer(model_dir, 1, None, print_fn=lambda m: None) as ckpt:
+    with pytest.raises(checkpoints.CheckpointMismatchError) as error:
+      ckpt.restore(abstract_state=jax.eval_shape(lambda: added))
+    assert error.value.mismatches == [("params/extra", None, (2,))]
+    assert "params/extra: checkpoint has no such array, model shape (2,)" in str(
+        error.value)
+    with pytest.raises(checkpoints.CheckpointMismatchError) as error:
+      ckpt.restore(abstract_state=jax.eval_shape(lambda: removed))
+    assert error.value.mismatches == [("params/b", (5,), None)]
+  assert tree_digest(model_dir) == before
+
+
+def test_a_mismatch_names_the_parameter_before_its_optimizer_moments(tmp_path):
+  """The optimizer moment of a resized parameter repeats its mismatch; the
+  parameter comes first in the list and in the message although
+  'opt_state/...' sorts before 'params/...'."""
+  state = {"opt_state": {"mu": {"w": jnp.zeros((3, 4))}},
+           "params": {"w": jnp.zeros((3, 4))}}
+  with checkpoints.Checkpointer(tmp_path, 1, None) as ckpt:
+    assert ckpt.save(1, state, {"train_batches": 1})
+  wider = {"opt_state": {"mu": {"w": jnp.zeros((3, 5))}},
+           "params": {"w": jnp.zeros((3, 5))}}
+  with checkpoints.Checkpointer(tmp_path, 1, None, print_fn=lambda m: None) as ckpt:
+    with pytest.raises(checkpoints.CheckpointMismatchError) as error:
+      ckpt.restore(abstract_state=jax.eval_shape(lambda: wider))
+  assert error.value.mismatches == [("params/w", (3, 4), (3, 5)),
+                                    ("opt_state/mu/w", (3, 4), (3, 5))]
+  assert str(error.value).index("params/w:") < str(error.value).index("opt_state/mu/w:")
+
+
 def test_partial_saves_are_ignored_then_removed(tmp_path):
   model_dir = _saved(tmp_path, steps=(1, 2))
   root = os.path.join(model_dir, "checkpoints")
@@ -272,3 +312,15 @@ def test_a_state_holding_nan_is_never_saved(tmp_path):
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "3"]
   assert {k: v for k, v in tree_digest(tmp_path).items() if k.startswith("checkpoints/1/")} == {
       k: v for k, v in before.items() if k.startswith("checkpoints/1/")}
+
+
+def test_a_forced_save_of_a_state_holding_nan_is_refused_too(tmp_path):
+  """A forced save (the last step, a preemption) of a step that is not due is
+  checked as well: NonFiniteStateError and nothing on disk."""
+  bad = _state(3)
+  bad["params"]["b"] = bad["params"]["b"].at[0].set(jnp.nan)
+  with checkpoints.Checkpointer(tmp_path, 10, None) as ckpt:
+    assert not ckpt.is_save_due(3)
+    with pytest.raises(checkpoints.NonFiniteStateError, match=r"\['params'\]\['b'\]"):
+      ckpt.save(3, bad, {"train_batches": 3}, force=True)
+  assert os.listdir(tmp_path / "checkpoints") == []

@@ -113,6 +113,83 @@ def test_top_p_keeps_the_nucleus_and_sampling_is_seeded():
   assert all(t < 60 for t in run(4))
 
 
+def test_top_p_keeps_the_nucleus_of_unsorted_logits():
+  """The nucleus is found in sorted order but applied to the tokens' own ids: with
+  probabilities (0.05, 0.3, 0.5, 0.15) and top_p 0.7 the kept ids are 2 (0.5) and
+  1 (0.3), whose mass before each is 0 and 0.5 (< 0.7)."""
+  logits = jnp.log(jnp.asarray([0.05, 0.3, 0.5, 0.15]))
+  kept = np.isfinite(np.asarray(autoregressive.filter_top_p(logits, 0.7)))
+  assert kept.tolist() == [False, True, True, False]
+
+
+class _StubLM:
+  """A stand-in for Decoder with `apply`'s calling conventions (cache collection
+  included) whose logits at every position are `logits_fn(positions_bt)` [b, t, V];
+  without `positions_bt` the positions are 0, 1, ..., t - 1."""
+
+  def __init__(self, logits_fn):
+    self.logits_fn = logits_fn
+
+  def apply(self, variables, tokens_bt, positions_bt=None, train=False, mutable=False):
+    del variables, train
+    if positions_bt is None:
+      positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+    out = (self.logits_fn(positions_bt), None)
+    return (out, {"cache": {"unused": jnp.zeros((), jnp.int32)}}) if mutable else out
+
+
+def _next_position_stub(vocab=16):
+  """Returns a stub whose greedy choice is (position of the last token read) + 1."""
+  return _StubLM(lambda pos_bt: 10.0 * jax.nn.one_hot((pos_bt + 1) % vocab, vocab))
+
+
+def test_decoded_tokens_get_their_positions_with_and_without_the_kv_cache():
+  """The i-th token of the output sits at position i: a stub whose greedy choice
+  is (position of the last token read) + 1 must write 3, 4, 5, ... after a
+  3-token prompt, with the KV cache (prefill at 0, then one token per step at
+  len(out) - 1) as without it."""
+  for cache in (True, False):
+    got = autoregressive.sample_autoregressive(_next_position_stub(), {}, [7, 7, 7],
+                                               max_new_tokens=6, kv_cache=cache)
+    assert got.tolist() == [7, 7, 7, 3, 4, 5, 6, 7, 8], cache
+
+
+def test_decoded_tokens_stop_after_the_eos_id():
+  """Decoding stops right after writing eos_id, which stays in the output: the
+  stub writes 3, 4, 5, ... after a 3-token prompt, so eos_id 5 ends it there."""
+  for cache in (True, False):
+    got = autoregressive.sample_autoregressive(_next_position_stub(), {}, [7, 7, 7],
+                                               max_new_tokens=8, eos_id=5,
+                                               kv_cache=cache)
+    assert got.tolist() == [7, 7, 7, 3, 4, 5], cache
+
+
+def test_temperature_divides_the_logits():
+  """Sampling at temperature T draws token i with probability p_i^(1/T) / sum:
+  for p = (0.5, 0.3, 0.2) and T = 0.5 that is (0.658, 0.237, 0.105) (T = 1 would
+  give p itself; multiplying by T, (0.415, 0.322, 0.263))."""
+  p = np.array([0.5, 0.3, 0.2])
+  logits_v = jnp.log(jnp.asarray(p, jnp.float32))
+  model = _StubLM(lambda pos_bt: jnp.broadcast_to(logits_v, pos_bt.shape + (3,)))
+  n = 1200
+  got = autoregressive.sample_autoregressive(model, {}, [0], max_new_tokens=n,
+                                             temperature=0.5, rng=jax.random.PRNGKey(4))
+  share = np.bincount(got[1:], minlength=3) / n
+  want = p ** 2 / np.sum(p ** 2)
+  np.testing.assert_allclose(share, want, atol=0.05)
+
+
+def test_vocab_limit_excludes_the_limit_itself():
+  """Ids >= vocab_limit are never chosen: with the largest logit on id 3 and
+  vocab_limit 3, greedy decoding picks id 2, the best of 0, 1, 2."""
+  logits_v = jnp.asarray([0.0, 1.0, 2.0, 9.0, 5.0])
+  model = _StubLM(lambda pos_bt: jnp.broadcast_to(logits_v, pos_bt.shape + (5,)))
+  for cache in (True, False):
+    got = autoregressive.sample_autoregressive(model, {}, [1], max_new_tokens=3,
+                                               vocab_limit=3, kv_cache=cache)
+    assert got.tolist() == [1, 2, 2, 2], cache
+
+
 class _Vocab:
   """The few vocabulary members openmoe-sample reads."""
 

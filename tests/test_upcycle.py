@@ -82,3 +82,25 @@ def test_incompatible_models_are_refused():
   with pytest.raises(ValueError, match="to divide num_experts"):
     split_ffn_into_experts(get_layer(dense, layer_slots(DENSE)[0])["mlp"],
                            "swiglu", 4, 3)  # 8 slices of 3 cannot fill 4 experts
+
+
+def test_norm_scales_are_copied_to_their_own_places():
+  """Norm scales that differ from the initial ones (and from each other) go to
+  their own places: each layer's attention norm to its attention norm, the dense
+  MLP's norm to the MoE layer's pre_moe_norm (a dense layer's pre_mlp_norm), and
+  the final norm to the final norm."""
+  dense_cfg = DENSE.replace(scan_layers=False)
+  moe_cfg = dense_cfg.replace(layer_pattern="DDMM", moe=MoeConfig(
+      num_experts=4, top_k=2, group_size=16, residual_mlp=False))
+  rng = np.random.default_rng(0)
+  dense = jax.tree_util.tree_map_with_path(
+      lambda path, a: (rng.standard_normal(a.shape).astype(a.dtype)
+                       if "norm" in jax.tree_util.keystr(path) else a),
+      _init(dense_cfg, 0))
+  moe = upcycle_params(dense, dense_cfg, _init(moe_cfg, 1), moe_cfg)
+  same = lambda a, b: jax.tree.map(np.testing.assert_array_equal, a, b)
+  same(moe["final_norm"], dense["final_norm"])
+  for dense_slot, moe_slot in zip(layer_slots(dense_cfg), layer_slots(moe_cfg)):
+    d, m = get_layer(dense, dense_slot), get_layer(moe, moe_slot)
+    same(m["pre_attention_norm"], d["pre_attention_norm"])
+    same(m["pre_moe_norm" if moe_slot.sparse else "pre_mlp_norm"], d["pre_mlp_norm"])
