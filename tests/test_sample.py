@@ -143,6 +143,11 @@ def _next_position_stub(vocab=16):
   return _StubLM(lambda pos_bt: 10.0 * jax.nn.one_hot((pos_bt + 1) % vocab, vocab))
 
 
+def _fixed_logits_stub(logits_v):
+  """Returns a stub whose logits are `logits_v` [V] at every position."""
+  return _StubLM(lambda pos_bt: jnp.broadcast_to(logits_v, pos_bt.shape + logits_v.shape))
+
+
 def test_decoded_tokens_get_their_positions_with_and_without_the_kv_cache():
   """The i-th token of the output sits at position i: a stub whose greedy choice
   is (position of the last token read) + 1 must write 3, 4, 5, ... after a
@@ -170,7 +175,7 @@ def test_temperature_divides_the_logits():
   give p itself; multiplying by T, (0.415, 0.322, 0.263))."""
   p = np.array([0.5, 0.3, 0.2])
   logits_v = jnp.log(jnp.asarray(p, jnp.float32))
-  model = _StubLM(lambda pos_bt: jnp.broadcast_to(logits_v, pos_bt.shape + (3,)))
+  model = _fixed_logits_stub(logits_v)
   n = 1200
   got = autoregressive.sample_autoregressive(model, {}, [0], max_new_tokens=n,
                                              temperature=0.5, rng=jax.random.PRNGKey(4))
@@ -183,7 +188,7 @@ def test_vocab_limit_excludes_the_limit_itself():
   """Ids >= vocab_limit are never chosen: with the largest logit on id 3 and
   vocab_limit 3, greedy decoding picks id 2, the best of 0, 1, 2."""
   logits_v = jnp.asarray([0.0, 1.0, 2.0, 9.0, 5.0])
-  model = _StubLM(lambda pos_bt: jnp.broadcast_to(logits_v, pos_bt.shape + (5,)))
+  model = _fixed_logits_stub(logits_v)
   for cache in (True, False):
     got = autoregressive.sample_autoregressive(model, {}, [1], max_new_tokens=3,
                                                vocab_limit=3, kv_cache=cache)

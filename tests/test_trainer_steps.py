@@ -96,14 +96,10 @@ def test_reported_throughput_waits_for_the_asynchronous_steps():
   heavy(x).block_until_ready()
   fastest_before = fastest_heavy_call()
 
-  class _Null:
-    def save(self, *a, **k): return False
-    def latest_step(self): return None
-    def write(self, *a, **k): return {}
-
   data = iter(lambda: {}, None)
   stage = LoopStage(slow_step, lambda p: {"ce_loss": 0.0, "accuracy": 0.0}, data)
-  loop = TrainLoop(lambda step: stage, _Null(), _Null(), lambda *_: None,
+  recorder = _Recorder()
+  loop = TrainLoop(lambda step: stage, recorder, recorder, lambda *_: None,
                    tokens_per_batch=1000)
   state = TrainState(jnp.zeros((), jnp.int32), x, ())
   summary = loop.run(state, train_steps=12, eval_every=1000, log_every=4)
