@@ -6,11 +6,13 @@ import jax
 import numpy as np
 import pytest
 
+from openmoe_jax import evaluate as evaluate_lib
 from openmoe_jax import gin_utils, run_loader
 from openmoe_jax.cli import evaluate as evaluate_cli
 from openmoe_jax.config import ModelConfig
 from openmoe_jax.data import pipeline, vocabulary
 from openmoe_jax.model import Decoder
+from openmoe_jax.objectives import MaskedDiffusion
 from openmoe_jax.trainer import train
 
 TINY = ["ModelConfig.d_model = 32", "ModelConfig.num_heads = 2", "ModelConfig.head_dim = 16",
@@ -97,3 +99,42 @@ def test_eval_diffusion_uses_the_objective_mask_id(monkeypatch, capsys, bound, e
   assert evaluate_cli.main(["--model_dir=dir"]) == 0
   assert seen == [expected]
   assert json.loads(capsys.readouterr().out)["objective"] == "MaskedDiffusion"
+
+
+def test_causal_nll_is_weighted_by_each_batch_target_tokens(monkeypatch):
+  # Per batch: (CE summed over its target tokens, target tokens). The NLL is the sum
+  # of the first over the sum of the second, not the mean of the batches' means.
+  sums = {0: (12.0, 4.0), 1: (20.0, 16.0)}  # means 3.0 and 1.25
+  monkeypatch.setattr(evaluate_lib, "_compiled_causal_ce",
+                      lambda model, kind: lambda params, batch: sums[int(batch["id"])])
+  batches = [{"id": np.int32(0)}, {"id": np.int32(1)}]
+  result = evaluate_lib.evaluate_causal(None, None, batches)
+  assert result == {"nll": pytest.approx(32.0 / 20.0), "num_tokens": 20.0}
+  with pytest.raises(ValueError, match="no target tokens"):
+    evaluate_lib.evaluate_causal(None, None, [])
+
+
+def test_diffusion_bound_weights_batches_by_tokens_and_adds_their_variances(monkeypatch):
+  # Two batches with their own negative ELBO, standard error and target tokens; the
+  # batches are independent, so the variance of the token-weighted mean is
+  # sum (n_i se_i)^2 / N^2. Each batch gets its own mask draws (key seed + i).
+  per_batch = [{"nelbo": 2.0, "stderr": 0.3, "num_tokens": 10.0},
+               {"nelbo": 5.0, "stderr": 0.1, "num_tokens": 30.0}]
+  keys = []
+
+  def fake_elbo(model, params, batch, key, num_samples, mask_id, eps):
+    keys.append(np.asarray(jax.random.key_data(key)).tolist())
+    assert (num_samples, mask_id) == (7, 3)
+    return per_batch[batch]
+  monkeypatch.setattr(evaluate_lib, "diffusion_elbo", fake_elbo)
+  objective = MaskedDiffusion()
+  result = evaluate_lib.evaluate_diffusion(None, None, [0, 1], objective, mask_id=3,
+                                           num_samples=7, seed=5)
+  nelbo = (2.0 * 10 + 5.0 * 30) / 40
+  assert result["nelbo"] == pytest.approx(nelbo)
+  assert result["stderr"] == pytest.approx(np.hypot(10 * 0.3, 30 * 0.1) / 40)
+  assert result["perplexity_bound"] == pytest.approx(np.exp(nelbo))
+  assert (result["num_tokens"], result["num_samples"]) == (40.0, 7)
+  expected_keys = [np.asarray(jax.random.key_data(jax.random.PRNGKey(s))).tolist()
+                   for s in (5, 6)]
+  assert keys == expected_keys

@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 
+from openmoe_jax import trainer as trainer_lib
 from openmoe_jax.config import ModelConfig, MoeConfig
 from openmoe_jax.model import Decoder
 from openmoe_jax.objectives import CausalLm
@@ -359,3 +360,20 @@ def test_a_given_peak_is_not_measured_again():
   from openmoe_jax import flops  # pylint: disable=g-import-not-at-top
   meter = flops.MfuMeter(1e6, 1e6, 1e8, 1)
   assert not meter.recalibrate() and meter.peak_flops_per_sec == 1e8
+
+
+def test_evaluation_weights_each_batch_by_its_target_tokens():
+  # Eval batches carry different numbers of real target tokens (the last one of a
+  # split is mostly padding): each metric is the token-weighted mean, not the mean
+  # of the batches' means.
+  per_batch = [{"ce_loss": 1.0, "accuracy": 0.5, "num_tokens": 10.0},
+               {"ce_loss": 4.0, "accuracy": 0.9, "num_tokens": 30.0},
+               {"ce_loss": 9.0, "accuracy": 0.1, "num_tokens": 0.0}]
+  result = trainer_lib.evaluate(lambda params, batch: per_batch[batch], None,
+                               iter(range(3)), to_device=lambda batch: batch)
+  assert result["ce_loss"] == pytest.approx((1.0 * 10 + 4.0 * 30) / 40)
+  assert result["accuracy"] == pytest.approx((0.5 * 10 + 0.9 * 30) / 40)
+  assert result["num_tokens"] == 40.0
+  with pytest.raises(ValueError, match="no target tokens"):
+    trainer_lib.evaluate(lambda params, batch: per_batch[2], None, iter([2]),
+                         lambda batch: batch)
