@@ -120,3 +120,82 @@ def test_adamw_decays_matrices_and_expert_stacks_but_not_norm_scales_or_scalars(
   np.testing.assert_array_equal(params["scale"], np.full((3,), 1.5, np.float32))
   np.testing.assert_array_equal(params["bias"], np.full((4,), -0.5, np.float32))
   np.testing.assert_array_equal(params["scalar"], np.float32(0.7))
+
+
+def _gradients(shapes, scales, seed=0):
+  """Returns one gradient tree per scale: normal draws times the scale (the steps'
+  gradients differ in direction and global norm)."""
+  rng = np.random.default_rng(seed)
+  return [{k: (scale * rng.normal(size=s)).astype(np.float32) for k, s in shapes.items()}
+          for scale in scales]
+
+
+def test_adamw_steps_equal_a_numpy_adamw_with_global_norm_clipping():
+  """AdamW by the paper (bias-corrected moments, decoupled decay on matrices only)
+  after clipping the global gradient norm at 1, on gradients whose norms are above
+  and below 1, so clipping changes the direction of the moments' history."""
+  b1, b2, eps, wd, peak, end = 0.8, 0.9, 1e-6, 0.1, 0.1, 0.01
+  tx = optim.adamw_warmup_cosine(peak_lr=peak, warmup_steps=1, total_steps=5,
+                                 end_lr_ratio=end / peak, b1=b1, b2=b2,
+                                 weight_decay=wd, clip_norm=1.0, eps=eps)
+  shapes = {"w": (3, 4), "b": (4,)}
+  grads = _gradients(shapes, [0.0, 3.0, 0.1, 1.5])
+  params = {"w": np.linspace(-1, 1, 12).reshape(3, 4).astype(np.float32),
+            "b": np.linspace(0.5, 2, 4).astype(np.float32)}
+  state = tx.init(jax.tree.map(jnp.asarray, params))
+  ours = jax.tree.map(jnp.asarray, params)
+  ref = {k: v.astype(np.float64) for k, v in params.items()}
+  m = {k: np.zeros(s) for k, s in shapes.items()}
+  v = {k: np.zeros(s) for k, s in shapes.items()}
+  for t, g in enumerate(grads):
+    updates, state = tx.update(jax.tree.map(jnp.asarray, g), state, ours)
+    ours = optax.apply_updates(ours, updates)
+    # optax's warmup + cosine: 0 at step 0, the peak at step 1, cosine to `end` at 5.
+    lr = 0.0 if t == 0 else end + (peak - end) * 0.5 * (1 + np.cos(np.pi * (t - 1) / 4))
+    norm = np.sqrt(sum((x.astype(np.float64) ** 2).sum() for x in g.values()))
+    clip = min(1.0, 1.0 / norm) if norm > 0 else 1.0
+    for k in shapes:
+      gk = g[k] * clip
+      m[k] = b1 * m[k] + (1 - b1) * gk
+      v[k] = b2 * v[k] + (1 - b2) * gk ** 2
+      step = (m[k] / (1 - b1 ** (t + 1))) / (np.sqrt(v[k] / (1 - b2 ** (t + 1))) + eps)
+      decay = wd * ref[k] if ref[k].ndim > 1 else 0.0
+      ref[k] = ref[k] - lr * (step + decay)
+  for k in shapes:
+    np.testing.assert_allclose(ours[k], ref[k], rtol=2e-5, atol=1e-6)
+
+
+def test_adafactor_steps_equal_a_numpy_adafactor():
+  """Adafactor by the paper, as t5x configures it: second moments decaying with
+  1 - (t + 1)^-decay_rate, factored into row and column means for a matrix whose
+  two dimensions reach min_dim_size_to_factor (full for a vector), the update's RMS
+  clipped at the threshold, scaled by the parameter's RMS (at least 1e-3) and the
+  rsqrt learning rate."""
+  decay_rate, threshold, lr0, eps1 = 0.5, 0.5, 0.05, 1e-30
+  tx = optim.adafactor_openmoe(learning_rate=lr0, warmup_steps=1, decay_rate=decay_rate,
+                               clipping_threshold=threshold, min_dim_size_to_factor=4)
+  shapes = {"w": (4, 6), "b": (5,)}
+  grads = _gradients(shapes, [1.0, 0.5, 2.0], seed=1)
+  params = {"w": np.linspace(-2, 2, 24).reshape(4, 6).astype(np.float32),
+            "b": np.full((5,), 1e-4, np.float32)}  # RMS below 1e-3: the floor applies
+  state = tx.init(jax.tree.map(jnp.asarray, params))
+  ours = jax.tree.map(jnp.asarray, params)
+  ref = {k: v.astype(np.float64) for k, v in params.items()}
+  row, col, full = np.zeros(4), np.zeros(6), np.zeros(5)
+  for t, g in enumerate(grads):
+    updates, state = tx.update(jax.tree.map(jnp.asarray, g), state, ours)
+    ours = optax.apply_updates(ours, updates)
+    beta = 1.0 - (t + 1.0) ** -decay_rate
+    lr = lr0 * np.sqrt(1.0 / max(t, 1))
+    g2_w, g2_b = g["w"].astype(np.float64) ** 2 + eps1, g["b"].astype(np.float64) ** 2 + eps1
+    row = beta * row + (1 - beta) * g2_w.mean(axis=1)
+    col = beta * col + (1 - beta) * g2_w.mean(axis=0)
+    full = beta * full + (1 - beta) * g2_b
+    v_hat = np.outer(row, col) / row.mean()
+    u = {"w": g["w"] / np.sqrt(v_hat), "b": g["b"] / np.sqrt(full)}
+    for k in shapes:
+      clipped = u[k] / max(1.0, np.sqrt(np.mean(u[k] ** 2)) / threshold)
+      scale = max(np.sqrt(np.mean(ref[k] ** 2)), 1e-3)
+      ref[k] = ref[k] - lr * scale * clipped
+  for k in shapes:
+    np.testing.assert_allclose(ours[k], ref[k], rtol=2e-5, atol=1e-9)
