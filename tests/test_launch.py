@@ -60,3 +60,15 @@ def test_train_without_flags_is_an_error():
   proc = subprocess.run([sys.executable, str(SCRIPT), "train", *BASE, "--dry-run"],
                         capture_output=True, text=True)
   assert proc.returncode != 0 and "after `--`" in proc.stderr
+
+
+def test_train_flags_reach_the_remote_shell_as_given():
+  # The remote command runs in a shell on each worker: a gin string with spaces or
+  # quotes must arrive as the one argument the user typed.
+  flags = ["--gin_file=runs/quickstart.gin", "--gin.MODEL_DIR='gs://b/run 1'",
+           '--gin.train.note="a b; c"']
+  [train] = _dry_run("train", *BASE, "--", *flags)
+  remote = shlex.split(train[-1].removeprefix("--command="))
+  start = remote.index("openmoe-train") + 1
+  assert remote[start:start + len(flags)] == flags
+  assert remote[start + len(flags):] == [">", "train.log", "2>&1", "&"]
