@@ -106,3 +106,22 @@ def test_two_steps_of_each_arm(arm, tmp_path, capsys):
     # picks slices at gates near, not exactly, 1/4 each).
     assert (tmp_path / "upcycled" / "upcycle.json").exists()
     assert rows[1]["first_val_loss"] == pytest.approx(rows[0]["val_loss"], abs=0.3)
+
+
+def test_an_arms_row_takes_each_number_from_its_own_summary_entry(tmp_path,
+                                                                  monkeypatch):
+  """run_arm's row: the train loss is the cross-entropy (comparable across arms
+  whose router losses differ), not the total loss; every other field its own entry.
+  Training itself is stubbed (all numbers distinct)."""
+  summary = {"final_step": 2, "first_eval_loss": 5.0, "last_eval_loss": 4.0,
+             "last_train_loss": 4.5, "last_train_ce_loss": 4.25,
+             "last_train_metrics": {"moe/drop_fraction": 0.125,
+                                    "moe/expert_load_cv": 0.375},
+             "tokens_per_sec": 100.0}
+  monkeypatch.setattr(ablate, "train", lambda print_fn: summary)
+  monkeypatch.setattr(ablate.gin_utils, "check_required", lambda *a, **k: None)
+  row = ablate.run_arm("tc_softmax", 2, str(tmp_path), "runs/ablate_tiny.gin")
+  assert (row.steps, row.first_val_loss, row.val_loss, row.train_loss) == (
+      2, 5.0, 4.0, 4.25)
+  assert (row.drop_fraction, row.expert_load_cv, row.tokens_per_sec) == (
+      0.125, 0.375, 100.0)

@@ -261,3 +261,47 @@ def test_openmoe_analyze_end_to_end(tmp_path, capsys):
   assert cli.main([f"--from_records={out / 'records'}", f"--output={again}",
                    f"--model_dir={model_dir}"]) == 0
   assert json.loads((again / "report.json").read_text())["drops"] == report["drops"]
+
+
+def test_domain_load_counts_every_choice_not_only_the_first():
+  """Two choices per token, the 1st always expert 0, the 2nd always expert 1: each
+  of the two experts holds half of all top-k choices."""
+  token_n, position_n, _ = _tokens_positions(n=128)
+  expert_lnk = np.stack([np.zeros(128), np.ones(128)], axis=-1)[None]
+  load = np.array(analyses.domain_load(_record(token_n, position_n, expert_lnk))["load"])
+  np.testing.assert_allclose(load[0, 0], [0.5, 0.5] + [0.0] * (E - 2))
+
+
+def test_token_specialization_counts_ids_seen_exactly_min_count_times():
+  """min_count is inclusive: an id seen 5 times counts at min_count=5, one seen 4
+  times does not (coverage = 5 / 9 of the tokens)."""
+  token_n = np.array([7] * 5 + [9] * 4)
+  position_n = np.arange(9)
+  result = analyses.token_specialization(
+      _record(token_n, position_n, np.zeros((1, 9))), min_count=5)
+  assert result["coverage"] == pytest.approx(5 / 9)
+  assert result["token_expert_distribution"][0]["token_ids"] == [7]
+
+
+def test_record_numbers_rows_across_batches_and_tasks():
+  """Row ids count on over every batch of every task (batch 2 of 2-row batches holds
+  rows 2 and 3), so tokens of different rows are never merged."""
+  cfg = ModelConfig(vocab_size=16, d_model=8, num_heads=1, head_dim=8, d_ff=8,
+                    num_layers=2, sparse_interval=2, moe=MoeConfig(num_experts=E))
+  b, t = 2, 4
+
+  def routing_fn(params, batch):
+    del params
+    shape = (1,) + batch["decoder_input_tokens"].shape + (1,)
+    return {"expert_index": np.zeros(shape, np.int32),
+            "gates": np.ones(shape, np.float32), "kept": np.ones(shape, bool)}, {}
+
+  def batch():
+    return {"decoder_input_tokens": np.ones((b, t), np.int32),
+            "decoder_positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)),
+            "decoder_segment_ids": np.ones((b, t), np.int32)}
+
+  rec = record_routing(cfg, {}, {"x": [batch(), batch()], "y": [batch()]},
+                       batch_size=b, routing_fn=routing_fn)
+  np.testing.assert_array_equal(rec.row, np.repeat(np.arange(6), t))
+  np.testing.assert_array_equal(rec.task, [0] * 16 + [1] * 8)

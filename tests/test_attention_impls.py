@@ -23,7 +23,7 @@ from openmoe_jax.layers.attention import Attention
 from openmoe_jax.layers.attention_impls import (AutoAttention, PlainAttention,
                                                 SplashAttention,
                                                 XlaDotProductAttention,
-                                                attention_impl_of)
+                                                attention_impl_of, cudnn_supported)
 from openmoe_jax.layers.attention_mask import AttentionMask, make_attention_mask
 from openmoe_jax.model import Decoder
 
@@ -276,3 +276,15 @@ def test_plain_attention_moves_heads_first_only_for_cpu_self_attention():
   explicit = AttentionMask.explicit(jnp.ones((2, 1, 16, 32), bool))
   assert transposes(PlainAttention(), cache, explicit) == transposes(
       PlainAttention(heads_first=False), cache, explicit)
+
+
+def test_cudnn_serves_half_precision_head_dims_up_to_128_on_gpu(monkeypatch):
+  """cuDNN flash attention: GPU backend, bf16/fp16, head_dim a multiple of 8 up to
+  and including 128; never float32, never on the CPU."""
+  q = lambda d, dtype=jnp.bfloat16: jax.ShapeDtypeStruct((1, 16, 2, d), dtype)
+  assert not cudnn_supported(q(128))  # this CPU
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert cudnn_supported(q(128)) and cudnn_supported(q(64))
+  assert cudnn_supported(q(128, jnp.float16))
+  assert not cudnn_supported(q(136)) and not cudnn_supported(q(60))
+  assert not cudnn_supported(q(128, jnp.float32))

@@ -1,4 +1,5 @@
 """Every console program: real --help, one-line errors with exit 2 (cli/flags.py)."""
+import argparse
 import ast
 import importlib
 import os
@@ -145,3 +146,20 @@ def test_reliability_errors_are_run_or_input_errors():
     assert issubclass(run_error, errors.RunError), run_error
   for input_error in (checkpoints.CheckpointMismatchError, sources.DataFileError):
     assert issubclass(input_error, errors.InputError), input_error
+
+
+def test_number_flags_keep_their_bounds_open_or_closed():
+  """float_in(low) takes low itself, float_in(low, low_open=True) refuses it; the
+  high bound is inclusive; int_at_least(low) takes low, refuses low - 1."""
+  assert flags.float_in(0.0)("0") == 0.0
+  assert flags.float_in(0.0, low_open=True)("0.5") == 0.5
+  with pytest.raises(argparse.ArgumentTypeError, match="> 0"):
+    flags.float_in(0.0, low_open=True)("0")
+  assert flags.float_in(0.0, 1.0)("1") == 1.0
+  with pytest.raises(argparse.ArgumentTypeError):
+    flags.float_in(0.0, 1.0)("1.5")
+  with pytest.raises(argparse.ArgumentTypeError):
+    flags.float_in(0.0)("-0.1")
+  assert flags.int_at_least(1)("1") == 1
+  with pytest.raises(argparse.ArgumentTypeError, match=">= 1"):
+    flags.int_at_least(1)("0")

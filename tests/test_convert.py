@@ -14,9 +14,12 @@ import pytest
 from openmoe_jax import gin_utils, load_model
 from openmoe_jax.checkpoints import Checkpointer
 from openmoe_jax.cli import convert as convert_cli
-from openmoe_jax.config import ModelConfig
+from openmoe_jax.config import ModelConfig, MoeConfig
 from openmoe_jax.convert import params_export
-from openmoe_jax.convert.hf_io import SafetensorsReader, write_tokenizer
+from openmoe_jax.convert.hf_io import (INDEX, SafetensorsReader, write_safetensors,
+                                      write_tokenizer)
+from openmoe_jax.convert.openmoe import openmoe_hf_config
+from openmoe_jax.convert.t5x_reader import find_checkpoint_dir
 from openmoe_jax.data import pipeline
 from openmoe_jax.model import Decoder
 from openmoe_jax.trainer import TrainState
@@ -312,3 +315,51 @@ def test_an_export_is_never_overwritten_and_needs_both_parts(tmp_path):
   shutil.copytree(out, params_only, ignore=shutil.ignore_patterns("export.json"))
   assert not params_export.is_params_export(str(meta_only))
   assert not params_export.is_params_export(str(params_only))
+
+
+def test_openmoe_hf_config_carries_each_router_setting_under_its_own_field():
+  """config.json of ColossalAI's port: every router field holds its own setting (all
+  values distinct, so a field copied from a neighbour shows)."""
+  moe = MoeConfig(num_experts=E, top_k=2, capacity_factor_train=1.5,
+                  capacity_factor_eval=2.5, min_capacity=3, lb_loss_weight=0.03,
+                  z_loss_weight=0.0007)
+  cfg = ModelConfig(vocab_size=V, d_model=D, num_heads=H, head_dim=HD, d_ff=F,
+                    num_layers=LAYERS, sparse_interval=INTERVAL,
+                    mlp_kind="openmoe_swiglu", moe=moe)
+  config = openmoe_hf_config(cfg)
+  assert config["router_aux_loss_factor"] == 0.03
+  assert config["router_z_loss_factor"] == 0.0007
+  assert config["router_capacity_factor_train"] == 1.5
+  assert config["router_capacity_factor_eval"] == 2.5
+  assert config["router_min_capacity"] == 3
+  assert config["router_topk"] == 2 and config["num_experts"] == E
+  assert config["moe_layer_interval"] == INTERVAL
+
+
+def test_the_newest_t5x_checkpoint_is_found_by_step_number(tmp_path):
+  """A t5x run folder: checkpoint_<step> folders with a `checkpoint` file; the
+  newest is the largest step (10 after 9, numerically), and a folder without its
+  `checkpoint` file does not count."""
+  for step in (9, 10, 2):
+    (tmp_path / f"checkpoint_{step}").mkdir()
+    (tmp_path / f"checkpoint_{step}" / "checkpoint").write_bytes(b"")
+  (tmp_path / "checkpoint_11").mkdir()  # being written: no `checkpoint` yet
+  assert find_checkpoint_dir(str(tmp_path)) == str(tmp_path / "checkpoint_10")
+  assert find_checkpoint_dir(str(tmp_path / "checkpoint_2")) == str(
+      tmp_path / "checkpoint_2")
+
+
+def test_safetensors_shards_stay_under_the_limit_and_the_index_sums_every_byte(
+    tmp_path):
+  """Three 400-byte tensors, shards of at most 1000 bytes: two shards (800 + 400),
+  transformers' index naming each tensor's shard, total_size 1200."""
+  tensors = [(f"t{i}", np.full((100,), i, np.float32)) for i in range(3)]
+  files = write_safetensors(str(tmp_path), iter(tensors), max_shard_bytes=1000)
+  first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+  assert files == [first, second, INDEX]
+  index = json.loads((tmp_path / INDEX).read_text())
+  assert index["metadata"]["total_size"] == 1200
+  assert index["weight_map"] == {"t0": first, "t1": first, "t2": second}
+  reader = SafetensorsReader(str(tmp_path))
+  for name, array in tensors:
+    np.testing.assert_array_equal(reader.read(name), array)

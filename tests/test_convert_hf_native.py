@@ -15,6 +15,7 @@ import transformers
 
 from openmoe_jax.config import ModelConfig, MoeConfig
 from openmoe_jax.convert import hf_native
+from openmoe_jax.convert.hf_experts import stack_reader
 from openmoe_jax.convert.hf_native import (GLM4_MOE, MIXTRAL, QWEN3_MOE,
                                            export_hf_tensors, import_hf_tensors)
 from openmoe_jax.convert.layout import ConversionError
@@ -241,3 +242,25 @@ def test_broken_expert_lists_and_nonzero_selection_bias_are_refused():
     load(dict(tensors, **{bias: np.ones(4, np.float32)}))
   with pytest.raises(ConversionError, match="no tensor 'model.layers.2.mlp.gate.weight'"):
     load({n: a for n, a in tensors.items() if n != "model.layers.2.mlp.gate.weight"})
+
+
+def test_per_expert_tensors_stack_in_expert_number_order_past_ten():
+  """12 experts saved one tensor each: the stack holds expert j at row j (numeric
+  order: 10 and 11 after 9, not after 1)."""
+  names = [f"model.layers.0.mlp.experts.{j}.gate_proj.weight" for j in range(12)]
+  read, stacked = stack_reader(lambda name: np.full((2, 3), int(name.split(".")[5]),
+                                                    np.float32), names[::-1])
+  assert stacked == ["model.layers.0.mlp.experts.*.gate_proj.weight"]
+  np.testing.assert_array_equal(read(stacked[0])[:, 0, 0], np.arange(12))
+
+
+def test_a_selection_bias_with_a_single_nonzero_entry_is_refused():
+  """GLM's e_score_correction_bias has no counterpart: only an all-zero one loads
+  (one nonzero expert entry changes which experts are selected)."""
+  tensors = dict(export_hf_tensors(_random_params(GLM4_CFG), GLM4_CFG, GLM4_MOE))
+  bias = "model.layers.2.mlp.gate.e_score_correction_bias"
+  np.testing.assert_array_equal(tensors[bias], np.zeros(4, np.float32))
+  tensors[bias] = np.array([0.0, 0.0, 0.5, 0.0], np.float32)
+  with pytest.raises(ConversionError, match="e_score_correction_bias' is not zero"):
+    import_hf_tensors(tensors.__getitem__, list(tensors), GLM4_CFG, GLM4_MOE,
+                      _shapes(GLM4_CFG))

@@ -4,6 +4,7 @@ import json
 import pathlib
 import shutil
 import sysconfig
+import types
 
 import gin
 import numpy as np
@@ -325,3 +326,21 @@ def test_unpacked_rows_get_one_segment_and_zero_positions_on_padding():
   np.testing.assert_array_equal(batch["decoder_positions"],
                                 [[0, 1, 2, 0, 0], [0, 1, 2, 3, 4]])
   assert all(v.dtype == np.int32 for v in batch.values())
+
+
+def test_a_vocabulary_without_mask_or_mode_pieces_falls_back_or_refuses():
+  """SentencePiece maps an unknown piece to unk: such a piece is absent, so the mask
+  is sentinel 0 (the top id) and a missing mode token is refused, never unk."""
+
+  class Tokenizer:
+    def piece_to_id(self, piece):
+      return {"[NLU]": 3}.get(piece, 2)
+
+    def unk_id(self):
+      return 2
+
+  vocab = types.SimpleNamespace(tokenizer=Tokenizer(), extra_ids=100, vocab_size=1000)
+  assert vocab_lib.mask_token_id(vocab) == 999
+  assert vocab_lib.mode_token_id(vocab, "[NLU]") == 3
+  with pytest.raises(ValueError, match="no piece"):
+    vocab_lib.mode_token_id(vocab, "[NLG]")

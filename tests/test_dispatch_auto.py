@@ -10,6 +10,7 @@ from openmoe_jax.moe.dispatch import (AllToAllDispatcher, AutoDispatcher,
                                       BlockDispatcher, EinsumDispatcher, ExpertWeights,
                                       RaggedAllToAllDispatcher,
                                       RaggedDispatcher, SortDispatcher)
+from openmoe_jax.moe.dispatch.primitives import auto_tile
 from openmoe_jax.moe.layer import dispatcher_of
 from openmoe_jax.moe.routers import expert_capacity, top_k_capacity_routing
 
@@ -96,3 +97,28 @@ def test_output_is_the_chosen_engines():
     got = jax.jit(lambda x: auto(x, routing, weights))(x)
     want = jax.jit(lambda x: engine(x, routing, weights))(x)
     np.testing.assert_array_equal(got, want)
+
+
+def test_tpu_v4_is_the_first_generation_with_the_ragged_exchange():
+  """Dropless routing with experts split over devices: v4 and later exchange exact
+  row counts (ragged_all_to_all), v3 keeps the fixed-capacity all_to_all."""
+  auto = AutoDispatcher()
+  expert_mesh = jax.make_mesh((2, 2), ("data", "expert"), devices=jax.devices()[:4],
+                              axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  for kind in ("TPU v4", "TPU v5 lite", "TPU v6 lite"):
+    with compile_target(kind), partitioning.activate(expert_mesh):
+      assert auto.choose(256, 8, 256, 2) == RaggedAllToAllDispatcher(
+          backend="pallas"), kind
+  with compile_target("TPU v3"), partitioning.activate(expert_mesh):
+    assert auto.choose(256, 8, 256, 2) == AllToAllDispatcher(
+        buffer_dispatcher=SortDispatcher())
+
+
+def test_auto_tile_is_the_mean_group_size_rounded_down_to_a_power_of_two():
+  """Padded grouped-matmul tile: mean rows per expert rounded down to a power of two,
+  clipped to [8, 128] (a larger tile only pads more)."""
+  assert auto_tile(1000, 8) == 64  # mean 125
+  assert auto_tile(512, 8) == 64  # mean 64 exactly
+  assert auto_tile(8 * 33, 8) == 32
+  assert auto_tile(10, 8) == 8 and auto_tile(0, 8) == 8
+  assert auto_tile(10 ** 6, 8) == 128

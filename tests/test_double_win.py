@@ -18,7 +18,7 @@ from openmoe_jax.config import ModelConfig, MoeConfig
 from openmoe_jax.evaluate import heldout_nll
 from openmoe_jax.model import Decoder
 from openmoe_jax.objectives import CausalLm, MaskedDiffusion
-from openmoe_jax.studies import double_win, double_win_report
+from openmoe_jax.studies import double_win, double_win_data, double_win_report
 from openmoe_jax.studies.double_win_data import MAX_DOCUMENT_TOKENS, select_documents
 
 VOCAB = 64
@@ -226,3 +226,25 @@ def test_a_tiny_study_writes_the_table_the_plot_and_the_json(tmp_path, capsys):
   assert ablate_cli.main(argv) == 0
   again = json.loads((output / "double_win.json").read_text())
   assert again["arms"]["dlm_moe"]["curve"] == results["arms"]["dlm_moe"]["curve"]
+
+
+def test_a_dlm_ahead_from_the_first_checkpoint_has_no_previous_epoch():
+  """DLM below AR by more than 2 standard errors at every scored checkpoint: the
+  crossover is the first checkpoint (epoch 2), with no checkpoint before it."""
+  results = _results(ar_dense=[5.0, 4.8, 4.7], dlm_dense=[4.5, 4.4, 4.3],
+                     ar_moe=[5.0, 4.8, 4.7], dlm_moe=[5.5, 5.4, 5.3])
+  dense = double_win_report.crossover(results, "dense")
+  assert (dense["previous_epoch"], dense["epoch"]) == (None, 2.0)
+  text = "\n".join(double_win_report.answers(results))
+  assert "(b) dense: DLM beats AR from the first scored checkpoint" in text
+
+
+def test_count_tokens_counts_loss_tokens_and_the_rows_holding_any():
+  """Two batches [3, 5]: 4 + 2 loss tokens in rows 0 and 2 of the first (row 1 is
+  all padding), 1 in row 1 of the second: 7 tokens in 3 rows."""
+  first_bt = np.array([[1, 1, 1, 1, 0], [0, 0, 0, 0, 0], [0, 1, 1, 0, 0]], np.float32)
+  second_bt = np.zeros((3, 5), np.float32)
+  second_bt[1, 4] = 1.0
+  counts = double_win_data.count_tokens([{"decoder_loss_weights": first_bt},
+                                         {"decoder_loss_weights": second_bt}])
+  assert counts == {"tokens": 7, "rows": 3}

@@ -11,6 +11,7 @@ from openmoe_jax.moe.dispatch.einsum import dispatch_mask
 from openmoe_jax.moe.layer import router_arguments
 from openmoe_jax.moe.routers_expert_choice import (ExpertChoiceRouter,
                                                    expert_choice_routing)
+from openmoe_jax.objectives.common import moe_metrics
 
 from moe_reference import reference_expert_choice
 
@@ -147,3 +148,32 @@ def test_tokenwise_lb_loss_is_one_uniform_and_larger_when_skewed():
   _, _, aux = _route(router, cfg, skew, t)
   assert float(aux["tokenwise_lb_loss"]) > 1.5
   assert float(aux["no_expert_fraction"]) == pytest.approx(0.5)
+
+
+def test_moe_metrics_reduce_each_statistic_over_layers_as_named():
+  """Two MoE layers: means over layers for the means, the smallest per-token expert
+  count for `_min`, the largest for `_max`; per-layer metrics under the model layer
+  numbers given."""
+  aux = {"aux_loss": jnp.float32(0.5), "lb_loss": jnp.float32(0.25),
+         "z_loss": jnp.float32(0.125),
+         "drop_fraction": jnp.asarray([0.1, 0.3]),
+         "drop_fraction_first_quarter": jnp.asarray([0.0, 0.2]),
+         "drop_fraction_last_quarter": jnp.asarray([0.4, 0.6]),
+         "router_entropy": jnp.asarray([1.0, 2.0]),
+         "expert_load": jnp.asarray([[0.25, 0.25, 0.25, 0.25], [0.5, 0.5, 0.0, 0.0]]),
+         "tokenwise_lb_loss": jnp.float32(0.0625),
+         "no_expert_fraction": jnp.asarray([0.0, 0.5]),
+         "experts_per_token_mean": jnp.asarray([2.0, 1.0]),
+         "experts_per_token_min": jnp.asarray([1.0, 0.0]),
+         "experts_per_token_max": jnp.asarray([3.0, 4.0])}
+  m = {k: float(v) for k, v in moe_metrics(aux, [1, 3]).items()}
+  assert m["moe/drop_fraction"] == pytest.approx(0.2)
+  assert m["moe/drop_fraction_last_quarter"] == pytest.approx(0.5)
+  assert m["moe/router_entropy"] == pytest.approx(1.5)
+  assert m["moe/expert_load_cv"] == pytest.approx((0.0 + 1.0) / 2)  # std/mean: 0, 1
+  assert m["moe/no_expert_fraction"] == pytest.approx(0.25)
+  assert m["moe/experts_per_token_mean"] == pytest.approx(1.5)
+  assert m["moe/experts_per_token_min"] == 0.0
+  assert m["moe/experts_per_token_max"] == 4.0
+  assert m["moe/layer_3/drop_fraction"] == pytest.approx(0.3)
+  assert m["moe/layer_1/expert_load_cv"] == pytest.approx(0.0)

@@ -219,3 +219,15 @@ def test_gin_file_imports_the_modules_it_configures(name):
                           capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-2000:]
   assert "Router" in result.stdout
+
+
+def test_a_gin_file_in_the_current_folder_wins_over_a_search_path(library_gin_dir,
+                                                                   tmp_path):
+  """Lookup order: current folder, then --gin_search_paths, then the library."""
+  _write(tmp_path / "elsewhere" / "pick.gin", "toy_train.model_dir = 'cwd'\n")
+  _write(tmp_path / "mine" / "pick.gin", "toy_train.model_dir = 'search path'\n")
+  assert gin_utils.search_paths([str(tmp_path / "mine")]) == [
+      str(tmp_path / "elsewhere"), str(tmp_path / "mine"), str(library_gin_dir)]
+  gin_utils.parse_gin(["runs/quickstart.gin", "pick.gin"],
+                      gin_search_paths=[str(tmp_path / "mine")])
+  assert toy_train()[0] == "cwd"

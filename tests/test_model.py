@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from openmoe_jax.config import ModelConfig, MoeConfig
-from openmoe_jax.layers.attention import make_attention_mask
+from openmoe_jax.layers.attention import Attention, make_attention_mask
+from openmoe_jax.layers.norms import RMSNorm
 from openmoe_jax.model import Decoder, layer_segments, scan_unit_length
 from openmoe_jax.moe.routers import RouterLogits
 from openmoe_jax.moe.routers_expert_choice import ExpertChoiceRouter
@@ -318,3 +319,27 @@ def test_decoder_router_losses_match_numpy(router):
   assert float(aux["tokenwise_lb_loss"]) == pytest.approx(tokenwise, rel=1e-5, abs=1e-7)
   assert float(aux["aux_loss"]) == pytest.approx(expected, rel=1e-5)
   assert z > 1.0 and (lb > 1.0 or tokenwise > 0.5)  # every term is material
+
+
+def test_rms_norm_adds_its_own_epsilon_under_the_root():
+  """x = [1, 1, 1, 1] (mean square 1), eps 0.5: x / sqrt(1 + 0.5) times the scale."""
+  norm = RMSNorm(eps=0.5)
+  x_btd = jnp.ones((1, 1, 4), jnp.float32)
+  params = {"params": {"scale": jnp.asarray([1.0, 2.0, 3.0, 4.0])}}
+  np.testing.assert_allclose(np.asarray(norm.apply(params, x_btd))[0, 0],
+                             np.array([1.0, 2.0, 3.0, 4.0]) / np.sqrt(1.5), rtol=1e-6)
+
+
+@pytest.mark.parametrize("scale_logits", [True, False])
+def test_unscaled_attention_logits_fold_the_scale_into_the_query_init(scale_logits):
+  """Query kernel init std: d^-1/2 like the key's when the logits are scaled by
+  1/sqrt(head_dim); (d head_dim)^-1/2 (the key's / sqrt(head_dim)) when not."""
+  d, heads, head_dim = 256, 4, 64
+  layer = Attention(num_heads=heads, head_dim=head_dim, scale_logits=scale_logits)
+  x_btd = jnp.ones((1, 2, d), jnp.float32)
+  params = nn.unbox(layer.init(jax.random.PRNGKey(0), x_btd, jnp.zeros((1, 2), jnp.int32),
+                               make_attention_mask("causal", 2))["params"])
+  std_q, std_k = float(np.std(params["query"])), float(np.std(params["key"]))
+  assert std_k == pytest.approx(d ** -0.5, rel=0.03)
+  want = d ** -0.5 if scale_logits else (d * head_dim) ** -0.5
+  assert std_q == pytest.approx(want, rel=0.03)

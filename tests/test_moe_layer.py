@@ -204,3 +204,21 @@ def test_jitter_noise_needs_an_rng_in_training_only():
   np.testing.assert_array_equal(noisy[0], noisy[1])
   assert not np.allclose(noisy[0], noisy[2])
   assert not np.allclose(noisy[0], plain.apply(params, x_btd, train=True)[0])
+
+
+def test_router_z_loss_covers_the_gated_shared_experts_logits():
+  """ST-MoE's z-loss is over every router logit: with jointly gated shared experts
+  that includes their columns, mean over tokens of logsumexp(x [w | w_shared])^2."""
+  cfg = MoeConfig(num_experts=4, top_k=2, group_size=32, num_shared_experts=2,
+                  shared_expert_d_ff=6, shared_experts_gated=True, router_init_std=1.0)
+  x_btd = jax.random.normal(jax.random.PRNGKey(1), (2, 16, 8))
+  layer = MoeLayer(cfg, "swiglu", 12)
+  params = nn.unbox(jax.jit(lambda x: layer.init(jax.random.PRNGKey(0), x,
+                                                 train=False))(x_btd))
+  _, aux = jax.jit(lambda p, x: layer.apply(p, x, train=False))(params, x_btd)
+  router = params["params"]["router"]
+  logits_na = np.asarray(x_btd, np.float64).reshape(-1, 8) @ np.concatenate(
+      [np.asarray(router["w"]), np.asarray(router["w_shared"])], axis=1)
+  top_n = logits_na.max(-1)
+  lse_n = top_n + np.log(np.exp(logits_na - top_n[:, None]).sum(-1))
+  assert float(aux["z_loss"]) == pytest.approx(np.mean(lse_n ** 2), rel=1e-5)

@@ -7,7 +7,7 @@ import pytest
 
 from openmoe_jax import gin_utils, plan
 from openmoe_jax.cli import plan as plan_cli
-from openmoe_jax.config import ModelConfig
+from openmoe_jax.config import ModelConfig, MoeConfig
 
 TINY = ["ModelConfig.vocab_size = 512", "ModelConfig.d_model = 128",
         "ModelConfig.num_heads = 2", "ModelConfig.head_dim = 64", "ModelConfig.d_ff = 256",
@@ -77,6 +77,12 @@ def test_expert_parallel_step_compiles_for_each_tpu_generation(topology, chips, 
   assert report["fits"] and 0 < report["peak_bytes_per_device"] < 1 << 30
   assert report["argument_bytes"] > 0 and report["output_bytes"] > 0
   assert report["temp_bytes"] >= 0
+  # The step donates its state, so its outputs reuse the arguments' buffers: the
+  # aliased bytes are counted once.
+  assert report["alias_bytes"] > 0
+  assert report["peak_bytes_per_device"] == (
+      report["argument_bytes"] + report["temp_bytes"] + report["output_bytes"]
+      - report["alias_bytes"])
   assert report["analytic_flops"] == _tiny_analytic_flops(8)
   # The compiler's count: XLA counts 2 FLOPs per multiply-add of every dot, plus
   # about one per element of each elementwise op and reduction (softmaxes, norms,
@@ -207,3 +213,19 @@ def test_the_loop_correction_recovers_the_unrolled_count():
   for report in (looped, unrolled):
     assert 0 < report["estimated_mfu"] < 1
     assert "roofline ESTIMATE" in plan.format_report(report)
+
+
+def test_an_moe_layer_without_the_residual_mlp_weighs_one_dense_mlp_less():
+  """The loop correction weighs each layer by its training FLOPs per token: an MoE
+  layer without OpenMoE's extra dense MLP (residual_mlp=False) weighs 6 x the MLP's
+  matmul parameters (SwiGLU: 3 d f) less; dense layers are unchanged."""
+  d, f, t = 64, 256, 32
+  cfg = ModelConfig(vocab_size=1000, d_model=d, num_heads=2, head_dim=64, d_ff=f,
+                    num_layers=2, mlp_kind="swiglu", layer_pattern="DM",
+                    moe=MoeConfig(num_experts=4, residual_mlp=True))
+  dense, moe = plan._layer_flops(cfg, t)  # pylint: disable=protected-access
+  no_residual = cfg.replace(moe=cfg.moe.replace(residual_mlp=False))
+  dense_2, moe_2 = plan._layer_flops(no_residual, t)  # pylint: disable=protected-access
+  assert dense_2 == dense
+  assert moe - moe_2 == pytest.approx(6 * 3 * d * f)
+

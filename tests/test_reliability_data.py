@@ -136,3 +136,19 @@ def test_bad_array_record_file(tmp_path):
   with pytest.raises(sources.DataFileError, match="not a readable ArrayRecord") as e:
     sources.validate_source(source)
   assert str(path) in str(e.value)
+
+
+def test_empty_texts_are_dropped_from_every_line_format():
+  """Blank text lines and JSONL records with an empty text are no documents; neither
+  are empty TFRecord texts (rename_text)."""
+  lines = tf.data.Dataset.from_tensor_slices([b"first", b"", b"second"])
+  texts = [ex["targets"] for ex in sources.parse_lines(lines, "text").as_numpy_iterator()]
+  assert texts == [b"first", b"second"]
+  jsonl = tf.data.Dataset.from_tensor_slices(
+      [json.dumps({"text": t}).encode() for t in ("a", "", "b")])
+  texts = [ex["targets"] for ex in sources.parse_lines(jsonl, "jsonl").as_numpy_iterator()]
+  assert texts == [b"a", b"b"]
+  records = tf.data.Dataset.from_tensor_slices({"body": [b"x", b"", b"y"]})
+  texts = [ex["targets"] for ex in
+           sources.rename_text(records, "body").as_numpy_iterator()]
+  assert texts == [b"x", b"y"]

@@ -225,3 +225,18 @@ def test_distributed_settings_incomplete_or_out_of_range_are_input_errors(
   assert distributed.maybe_initialize_distributed(None, process_id=1)
   assert initialized == [{"coordinator_address": "localhost:1234",
                           "num_processes": 2, "process_id": 1}]
+
+
+def test_a_gin_process_id_of_zero_wins_over_the_environment(monkeypatch):
+  """Process 0 (the coordinator) set in gin is not mistaken for "unset": the
+  environment's process id does not replace it."""
+  initialized = []
+  monkeypatch.setattr(jax.distributed, "initialize",
+                      lambda **kwargs: initialized.append(kwargs))
+  monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+  monkeypatch.setenv(distributed.COORDINATOR_ADDRESS_ENV, "localhost:1234")
+  monkeypatch.setenv(distributed.NUM_PROCESSES_ENV, "2")
+  monkeypatch.setenv(distributed.PROCESS_ID_ENV, "1")
+  assert distributed.maybe_initialize_distributed(None, process_id=0)
+  assert initialized == [{"coordinator_address": "localhost:1234",
+                          "num_processes": 2, "process_id": 0}]

@@ -23,7 +23,7 @@ import optax
 import pytest
 from run_files import logged_losses, tree_digest
 
-from openmoe_jax import checkpoints, gin_utils, trainer
+from openmoe_jax import checkpoints, gin_utils, train_loop, trainer
 from openmoe_jax.data import pipeline
 from openmoe_jax.metrics import MetricsLogger
 from openmoe_jax.objectives import CausalLm
@@ -376,3 +376,17 @@ def test_a_finite_loss_with_an_infinite_gradient_norm_is_skipped_too():
   assert _identical(after.params, good.params)
   assert _identical(after.opt_state, good.opt_state)
   assert int(after.step) == 2
+
+
+def test_a_log_window_averages_its_finite_steps_and_counts_the_skipped_ones():
+  """Window of 3 steps, the 2nd skipped (loss NaN): the logged loss is the mean of
+  the other two, (2 + 4) / 2, and the window's skipped count is 1; a window of
+  skipped steps only averages them all (nothing else to show)."""
+  skipped = train_loop.SKIPPED
+  means = train_loop._mean_metrics([  # pylint: disable=protected-access
+      {"loss": 2.0, skipped: 0.0}, {"loss": float("nan"), skipped: 1.0},
+      {"loss": 4.0, skipped: 0.0}])
+  assert means == {"loss": 3.0, skipped: 1.0}
+  only = train_loop._mean_metrics([  # pylint: disable=protected-access
+      {"loss": 5.0, skipped: 1.0}, {"loss": 7.0, skipped: 1.0}])
+  assert only == {"loss": 6.0, skipped: 2.0}
