@@ -330,6 +330,19 @@ def test_rms_norm_adds_its_own_epsilon_under_the_root():
                              np.array([1.0, 2.0, 3.0, 4.0]) / np.sqrt(1.5), rtol=1e-6)
 
 
+def test_rms_norm_of_bfloat16_inputs_is_computed_in_float32():
+  """bfloat16 activations (8 bits of mantissa): the mean square, the root and the
+  scaling run in float32, so the result equals float64 math on the same inputs to
+  float32 precision (bfloat16 math would be off by ~1e-2 relative)."""
+  x_btd = (jax.random.normal(jax.random.PRNGKey(0), (2, 3, 512)) * 3 + 1).astype(
+      jnp.bfloat16)
+  scale_d = np.linspace(0.5, 2.0, 512).astype(np.float32)
+  got = RMSNorm(eps=1e-6).apply({"params": {"scale": jnp.asarray(scale_d)}}, x_btd)
+  assert got.dtype == jnp.float32
+  x64 = np.asarray(x_btd, np.float64)
+  want = x64 / np.sqrt(np.mean(x64 ** 2, axis=-1, keepdims=True) + 1e-6) * scale_d
+  np.testing.assert_allclose(np.asarray(got), want, rtol=2e-6, atol=1e-6)
+
 @pytest.mark.parametrize("scale_logits", [True, False])
 def test_unscaled_attention_logits_fold_the_scale_into_the_query_init(scale_logits):
   """Query kernel init std: d^-1/2 like the key's when the logits are scaled by

@@ -138,6 +138,20 @@ def test_damaged_latest_checkpoint_resumes_from_previous_with_same_losses(
   assert _train_losses(model_dir) == three_steps[1]
 
 
+def test_a_fresh_start_drops_every_row_of_the_earlier_run(three_steps, tmp_path):
+  """Checkpoints deleted, metrics.jsonl kept: the run starts at step 0 and repeats
+  every step, so no row of the earlier run stays, not even its step-0 evaluation."""
+  model_dir = _copy(three_steps, tmp_path)
+  old_rows = _rows(model_dir)
+  assert sum(r["step"] == 0 for r in old_rows) == 1  # the first evaluation
+  shutil.rmtree(os.path.join(model_dir, "checkpoints"))
+  _configure(model_dir, 1)
+  lines = []
+  assert train(print_fn=lines.append)["start_step"] == 0
+  assert f"Dropped {len(old_rows)} metrics.jsonl row(s) past step 0" in "\n".join(lines)
+  steps = [r["step"] for r in _rows(model_dir)]
+  assert steps.count(0) == 1 and set(steps) == {0, 1}, steps
+
 def test_restore_fallback_false_stops_and_changes_nothing(three_steps, tmp_path,
                                                            monkeypatch):
   model_dir = _copy(three_steps, tmp_path)
