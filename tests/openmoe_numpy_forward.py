@@ -11,7 +11,7 @@ followed by the extra dense MLP; final RMSNorm and the untied head. OpenMoE's ML
 import numpy as np
 
 
-def _rms(x, scale, eps):
+def rms_norm(x, scale, eps):
   return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * scale
 
 
@@ -68,14 +68,14 @@ def openmoe_logits(w, tokens_bt, *, num_layers, moe_interval, num_heads, head_di
   x = w["token_embedder/embedding"][tokens_bt]
   for i in range(num_layers):
     p = f"decoder/layers_{i}"
-    h = _rms(x, w[f"{p}/pre_self_attention_layer_norm/scale"], eps)
+    h = rms_norm(x, w[f"{p}/pre_self_attention_layer_norm/scale"], eps)
     x = x + _attention(h, w, f"{p}/self_attention", num_heads, head_dim)
-    h = _rms(x, w[f"{p}/pre_mlp_layer_norm/scale"], eps)
+    h = rms_norm(x, w[f"{p}/pre_mlp_layer_norm/scale"], eps)
     if (i + 1) % moe_interval == 0:
       x = x + _moe(h, w, f"{p}/mlp", top_k)
-      h = _rms(x, w[f"{p}/pre_extra_mlp_layer_norm/scale"], eps)
+      h = rms_norm(x, w[f"{p}/pre_extra_mlp_layer_norm/scale"], eps)
       x = x + _mlp(h, *(w[f"{p}/extra_mlp/{n}/kernel"] for n in ("wi_0", "wi_1", "wo")))
     else:
       x = x + _mlp(h, *(w[f"{p}/mlp/{n}/kernel"] for n in ("wi_0", "wi_1", "wo")))
-  x = _rms(x, w["decoder/decoder_norm/scale"], eps)
+  x = rms_norm(x, w["decoder/decoder_norm/scale"], eps)
   return x @ w["decoder/logits_dense/kernel"]

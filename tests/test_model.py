@@ -16,6 +16,7 @@ from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter
 from openmoe_jax.objectives import CausalLm
 
 from moe_reference import reference_expert_choice
+from openmoe_numpy_forward import rms_norm as numpy_rms_norm
 
 TINY = ModelConfig(vocab_size=64, d_model=16, num_heads=2, head_dim=8, d_ff=24,
                    num_layers=4, sparse_interval=2,
@@ -339,9 +340,9 @@ def test_rms_norm_of_bfloat16_inputs_is_computed_in_float32():
   scale_d = np.linspace(0.5, 2.0, 512).astype(np.float32)
   got = RMSNorm(eps=1e-6).apply({"params": {"scale": jnp.asarray(scale_d)}}, x_btd)
   assert got.dtype == jnp.float32
-  x64 = np.asarray(x_btd, np.float64)
-  want = x64 / np.sqrt(np.mean(x64 ** 2, axis=-1, keepdims=True) + 1e-6) * scale_d
+  want = numpy_rms_norm(np.asarray(x_btd, np.float64), scale_d, 1e-6)
   np.testing.assert_allclose(np.asarray(got), want, rtol=2e-6, atol=1e-6)
+
 
 @pytest.mark.parametrize("scale_logits", [True, False])
 def test_unscaled_attention_logits_fold_the_scale_into_the_query_init(scale_logits):

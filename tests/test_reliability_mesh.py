@@ -199,12 +199,17 @@ def test_sharded_dataset_concatenates_each_shards_rows():
                             both[0]["decoder_target_tokens"][2:])
 
 
-def test_distributed_settings_incomplete_or_out_of_range_are_input_errors(
-    monkeypatch):
-  initialized = []
-  monkeypatch.setattr(jax.distributed, "initialize",
-                      lambda **kwargs: initialized.append(kwargs))
+@pytest.fixture
+def initialized(monkeypatch):
+  """Returns the list of jax.distributed.initialize calls' arguments (none is made)."""
+  calls = []
+  monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs))
   monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+  return calls
+
+
+def test_distributed_settings_incomplete_or_out_of_range_are_input_errors(
+    monkeypatch, initialized):
   for name in (distributed.COORDINATOR_ADDRESS_ENV, distributed.NUM_PROCESSES_ENV,
                distributed.PROCESS_ID_ENV, "TPU_WORKER_HOSTNAMES",
                "MEGASCALE_COORDINATOR_ADDRESS"):
@@ -227,13 +232,9 @@ def test_distributed_settings_incomplete_or_out_of_range_are_input_errors(
                           "num_processes": 2, "process_id": 1}]
 
 
-def test_a_gin_process_id_of_zero_wins_over_the_environment(monkeypatch):
+def test_a_gin_process_id_of_zero_wins_over_the_environment(monkeypatch, initialized):
   """Process 0 (the coordinator) set in gin is not mistaken for "unset": the
   environment's process id does not replace it."""
-  initialized = []
-  monkeypatch.setattr(jax.distributed, "initialize",
-                      lambda **kwargs: initialized.append(kwargs))
-  monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
   monkeypatch.setenv(distributed.COORDINATOR_ADDRESS_ENV, "localhost:1234")
   monkeypatch.setenv(distributed.NUM_PROCESSES_ENV, "2")
   monkeypatch.setenv(distributed.PROCESS_ID_ENV, "1")
