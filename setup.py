@@ -81,8 +81,10 @@ setuptools.setup(
         # libtpu (via jax[tpu]) lets tests compile for TPU topologies ahead of time.
         # torch and transformers: independent references for the Hugging Face
         # converters' tests (CPU is enough; constraints.txt pins a CPU-only torch).
+        # filelock: jax's lock on the tests' shared compilation cache (conftest.py).
         "test": ["pytest>=9.0", "pytest-timeout>=2.3", "pytest-xdist>=3.6",
-                 "jax[tpu]>=0.10.2,<0.11", "torch>=2.6", "transformers>=5.0,<6"],
+                 "jax[tpu]>=0.10.2,<0.11", "torch>=2.6", "transformers>=5.0,<6",
+                 "filelock>=3.0"],
         "tpu": ["jax[tpu]>=0.10.2,<0.11"],
         # jax's CUDA 12 build (jax-cuda12-plugin with the CUDA wheels; jaxlib pinned
         # to jax's own version, as in constraints.txt). Not installed in CI.

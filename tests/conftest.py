@@ -7,8 +7,11 @@ Test oracles (NumPy references, e.g. moe_reference.py) live in this folder and a
 imported as top-level modules (`from moe_reference import ...`): tests/ has no
 __init__.py, so pytest puts it on sys.path. They are not library code.
 """
+import atexit
 import os
 import pathlib
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -20,6 +23,18 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 # on these models) than they save at run time.
 if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+
+# One persistent compilation cache for the session, shared by both xdist workers and
+# every subprocess they start (they inherit the environment): the end-to-end tests
+# compile the same train and eval steps in several processes (run, kill, relaunch).
+# About a third off those tests on 2 cores. A fresh folder per session, so what
+# runs here is what CI runs; the size limit turns on jax's file lock, so no process
+# reads an entry another one is still writing.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="openmoe_jax_xla_")
+  os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
+  atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"],
+                  ignore_errors=True)
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 # One cache for the whole session (and across sessions) so the embedded corpus and
