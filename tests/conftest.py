@@ -1,4 +1,5 @@
-"""Test session setup: CPU with 8 emulated devices, a shared data cache, clean gin.
+"""Test session setup: CPU with 8 emulated devices, shared data and compilation
+caches, clean gin.
 
 The environment variables must be set before jax (or tensorflow) is first imported,
 which is why they sit at module level here.
