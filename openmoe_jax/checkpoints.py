@@ -31,7 +31,6 @@ import logging
 import os
 import shutil
 import sys
-import time
 from typing import Any, Callable, Optional
 
 from etils import epath
@@ -40,8 +39,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-
 from openmoe_jax import errors
+from openmoe_jax.checkpoint_handlers import (REPLICA_PARALLEL_MIN_SLICE_BYTES,
+                                             DelayedJsonHandler, StateHandler)
 
 _STATE = "state"
 _DATA_POSITION = "data_position"
@@ -57,19 +57,6 @@ _MISMATCH_MARKERS = ("is not compatible with the stored shape", "Structure misma
 
 # Fault injection (tests): seconds every background save waits inside its window.
 DEBUG_SAVE_DELAY_ENV = "OPENMOE_JAX_DEBUG_SAVE_DELAY_S"
-
-
-class _DelayedJsonHandler(ocp.JsonCheckpointHandler):
-  """Orbax's JSON handler whose background write first sleeps `delay_s` seconds
-  (the fault-injection hook of `Checkpointer.debug_save_delay_s`)."""
-
-  def __init__(self, delay_s: float):
-    super().__init__()
-    self._delay_s = delay_s
-
-  async def _save_fn(self, x, directory):
-    time.sleep(self._delay_s)  # runs in Orbax's background commit thread
-    await super()._save_fn(x, directory)
 
 
 class CheckpointError(errors.RunError):
@@ -161,6 +148,12 @@ class Checkpointer:
   Either way a run never silently starts from scratch. `print_fn` receives those
   messages (default: logging.warning).
 
+  `replica_parallel_min_slice_bytes` (gin): a replicated array is written in parts,
+  one per replica (on a pod, by several hosts), only when each part holds at least
+  this many bytes (default 1 MiB); below it one replica writes it whole. 0 is
+  Orbax's default, always in parts, which compiles a slice per array shape and
+  device on the first save (3.9 s instead of 0.1 s for a small model on 8 replicas).
+
   `debug_save_delay_s` (or the environment variable DEBUG_SAVE_DELAY_ENV): a
   fault-injection hook for tests, never for real runs: every background save sleeps
   that long before it writes its last item, with the checkpoint still a partial
@@ -170,9 +163,13 @@ class Checkpointer:
   def __init__(self, model_dir: str, save_every_steps: int = 1000, keep: int | None = 3,
                restore_fallback: bool = True,
                print_fn: Optional[Callable[[str], None]] = None,
-               debug_save_delay_s: float = 0.0):
+               debug_save_delay_s: float = 0.0,
+               replica_parallel_min_slice_bytes: int = REPLICA_PARALLEL_MIN_SLICE_BYTES):
     if save_every_steps < 1:
       raise ValueError(f"save_every_steps must be >= 1, got {save_every_steps}")
+    if replica_parallel_min_slice_bytes < 0:
+      raise ValueError("replica_parallel_min_slice_bytes must be >= 0, got "
+                       f"{replica_parallel_min_slice_bytes}")
     self.model_dir = os.fspath(model_dir)
     self.directory = os.path.join(self.model_dir, "checkpoints")
     self.restore_fallback = bool(restore_fallback)
@@ -188,18 +185,15 @@ class Checkpointer:
     options = ocp.CheckpointManagerOptions(
         save_decision_policy=policy, max_to_keep=keep, create=True)
     delay = float(debug_save_delay_s or os.environ.get(DEBUG_SAVE_DELAY_ENV) or 0)
-    registry = None
-    if delay > 0:
-      registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-      json_handler = _DelayedJsonHandler(delay)
-      registry.add(_DATA_POSITION, ocp.args.JsonSave, json_handler)
-      registry.add(_DATA_POSITION, ocp.args.JsonRestore, json_handler)
-      registry.add(_STATE, ocp.args.StandardSave, ocp.StandardCheckpointHandler())
-      registry.add(_STATE, ocp.args.StandardRestore, ocp.StandardCheckpointHandler())
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    json_handler = DelayedJsonHandler(delay) if delay > 0 else ocp.JsonCheckpointHandler()
+    registry.add(_DATA_POSITION, ocp.args.JsonSave, json_handler)
+    registry.add(_DATA_POSITION, ocp.args.JsonRestore, json_handler)
+    state_handler = StateHandler(replica_parallel_min_slice_bytes)
+    registry.add(_STATE, ocp.args.StandardSave, state_handler)
+    registry.add(_STATE, ocp.args.StandardRestore, state_handler)
     self._manager = ocp.CheckpointManager(
-        self.directory, options=options,
-        item_names=None if registry else (_STATE, _DATA_POSITION),
-        handler_registry=registry)
+        self.directory, options=options, handler_registry=registry)
 
   def save(self, step: int, state: Any, data_position: dict | None = None,
            force: bool = False) -> bool:

@@ -68,3 +68,44 @@ def test_restore_without_checkpoint_raises(tmp_path):
   with checkpoints.Checkpointer(tmp_path) as ckpt:
     with pytest.raises(FileNotFoundError):
       ckpt.restore()
+
+
+def test_replicated_arrays_are_written_in_parts_only_when_the_parts_are_large(
+    tmp_path, monkeypatch):
+  """On 8 data-parallel replicas a small replicated array is written whole by one
+  replica (Orbax's default slices it into 8 parts, one compiled slice per shape and
+  device); an array whose parts reach REPLICA_PARALLEL_MIN_SLICE_BYTES (1 MiB) is
+  still written in 8 parts. Both round-trip exactly."""
+  from orbax.checkpoint._src.serialization import replica_slices  # pylint: disable=g-import-not-at-top
+  in_parts = {}
+  original = replica_slices.get_replica_slices
+
+  def recording(arr, *args, **kwargs):
+    result = original(arr, *args, **kwargs)
+    in_parts[arr.shape] = len(result.replica_slices)
+    return result
+
+  monkeypatch.setattr(replica_slices, "get_replica_slices", recording)
+  mesh = partitioning.make_mesh()
+  assert mesh.shape["data"] == 8
+  replicated = NamedSharding(mesh, P())
+  big_rows = 8192  # float32 [8192, 256]: 8 MiB, parts of 1 MiB
+  state = {"small": jax.device_put(jnp.arange(64 * 32, dtype=jnp.float32).reshape(64, 32),
+                                   replicated),
+           "big": jax.device_put(jnp.arange(big_rows * 256, dtype=jnp.float32).reshape(
+               big_rows, 256), replicated)}
+  with checkpoints.Checkpointer(tmp_path, save_every_steps=1) as ckpt:
+    assert ckpt.save(1, state)
+    ckpt.wait_until_finished()
+    assert in_parts == {(64, 32): 1, (big_rows, 256): 8}
+    restored, _ = ckpt.restore(1, checkpoints.abstract_with_shardings(
+        state, {"small": replicated, "big": replicated}))
+  _assert_bit_exact(restored, state)
+  in_parts.clear()
+  with checkpoints.Checkpointer(tmp_path / "always", save_every_steps=1,
+                                replica_parallel_min_slice_bytes=0) as ckpt:
+    assert ckpt.save(1, state)
+    ckpt.wait_until_finished()
+  assert in_parts == {(64, 32): 8, (big_rows, 256): 8}  # Orbax's default
+  with pytest.raises(ValueError, match="replica_parallel_min_slice_bytes"):
+    checkpoints.Checkpointer(tmp_path / "bad", replica_parallel_min_slice_bytes=-1)

@@ -118,9 +118,12 @@ def _free_port() -> int:
 
 
 def _two_processes(tmp_path, model_dir, steps):
-  """Starts the two processes (2 CPU devices each, gloo collectives) of one run."""
+  """Starts the two processes (2 CPU devices each, gloo collectives) of one run.
+  Their replicated arrays are written in parts by both processes however small
+  (Orbax's default), so that each process writes part of every checkpoint."""
   address = f"localhost:{_free_port()}"
-  return [_spawn(tmp_path, model_dir, steps, 2, **{
+  return [_spawn(tmp_path, model_dir, steps, 2,
+                 "Checkpointer.replica_parallel_min_slice_bytes = 0", **{
       distributed.COORDINATOR_ADDRESS_ENV: address, distributed.NUM_PROCESSES_ENV: 2,
       distributed.PROCESS_ID_ENV: index}) for index in range(2)]
 
