@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+
 from openmoe_jax import errors
 from openmoe_jax.checkpoint_handlers import (REPLICA_PARALLEL_MIN_SLICE_BYTES,
                                              DelayedJsonHandler, StateHandler)

@@ -117,13 +117,10 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _two_processes(tmp_path, model_dir, steps):
-  """Starts the two processes (2 CPU devices each, gloo collectives) of one run.
-  Their replicated arrays are written in parts by both processes however small
-  (Orbax's default), so that each process writes part of every checkpoint."""
+def _two_processes(tmp_path, model_dir, steps, *bindings):
+  """Starts the two processes (2 CPU devices each, gloo collectives) of one run."""
   address = f"localhost:{_free_port()}"
-  return [_spawn(tmp_path, model_dir, steps, 2,
-                 "Checkpointer.replica_parallel_min_slice_bytes = 0", **{
+  return [_spawn(tmp_path, model_dir, steps, 2, *bindings, **{
       distributed.COORDINATOR_ADDRESS_ENV: address, distributed.NUM_PROCESSES_ENV: 2,
       distributed.PROCESS_ID_ENV: index}) for index in range(2)]
 
@@ -145,7 +142,12 @@ def test_two_processes_killed_and_relaunched_match_one_process(tmp_path):
   steps = 6
   model_dir = str(tmp_path / "two")
   single = _spawn(tmp_path, str(tmp_path / "one"), steps, 4, "train.data_shards = 2")
-  procs = _two_processes(tmp_path, model_dir, 1000)
+  # The first launch writes every replicated array in parts, one per replica
+  # however small (Orbax's default), so both processes write each checkpoint; the
+  # relaunch keeps the library's default, under which process 0 writes these
+  # small arrays whole.
+  procs = _two_processes(tmp_path, model_dir, 1000,
+                         "Checkpointer.replica_parallel_min_slice_bytes = 0")
   try:
     start = time.monotonic()
     while not _steps_on_disk(model_dir):
@@ -168,6 +170,9 @@ def test_two_processes_killed_and_relaunched_match_one_process(tmp_path):
     _kill(relaunched)
   for output in outputs:
     assert f"Resumed from step {restart}" in output, output[-3000:]
+  state = os.path.join(model_dir, "checkpoints", str(steps), "state")
+  assert "ocdbt.process_0" in os.listdir(state)
+  assert "ocdbt.process_1" not in os.listdir(state)
   _finish(single)
   two, one = logged_losses(model_dir), logged_losses(str(tmp_path / "one"))
   assert sorted(two) == sorted(one) == list(range(1, steps + 1)), (two, one)
