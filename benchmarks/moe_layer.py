@@ -2,7 +2,7 @@
 
 Usage: python benchmarks/moe_layer.py [--quick] [--json] [--rounds N] [--dispatchers a,b]
        python benchmarks/moe_layer.py --shapes "d,f,E,k,tokens;..." [--dispatchers a,b]
-       python benchmarks/moe_layer.py --sweep [--json]   (scaling in tokens and in E)
+       python benchmarks/moe_layer.py --sweep [--json]   (scaling in tokens, E and top_k)
 
 Each row times `jax.jit(value_and_grad)` of the MoE layer (router + dispatch +
 experts + combine; swiglu experts) on one batch against a dense swiglu MLP of hidden
@@ -43,16 +43,22 @@ padding beyond the grouped matmul's tile. Rows are printed once the run (and the
 peak) is done; progress goes to stderr.
 
 `--sweep` times the scaling instead, same method: tokens 1k -> 16k at (d 512, f 512,
-E 64, k 2), then E 16 -> 256 at 4096 tokens (d 512, f 512, k 2); rows are named
-"tokens_sweep" / "experts_sweep". Einsum rows whose one-hot dispatch tensor would
-exceed `--max_einsum_elements` are skipped (a note goes to stderr).
+E 64, k 2), then E 8 -> 256 at 4096 tokens (d 512, f 512, k 2), then top_k 1 -> 8
+at (d 512, f 512, E 64, 4096 tokens); rows are named "tokens_sweep" /
+"experts_sweep" / "top_k_sweep" (the dense baseline grows with top_k: its width is
+top_k x f). After the rows come the growth laws (`growth_laws`): per sweep and
+path, the exponent a of time ~ x^a and of peak memory ~ x^a between the sweep's
+first and last point (JSON: objects with a "growth" key). Einsum rows whose one-hot
+dispatch tensor would exceed `--max_einsum_elements` are skipped (a note goes to
+stderr).
 """
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -101,14 +107,51 @@ DEFAULT_DISPATCHERS = ("einsum", "sort", "ragged_padded_cf", "block_cf",
 SWEEP_DISPATCHERS = ("einsum", "sort", "block_cf", "block_dropless", FLOOR)
 SWEEP_BASE = (512, 512, 64, 2, 4096)  # (d_model, d_ff, experts, top_k, tokens)
 SWEEP_TOKENS = (1024, 2048, 4096, 8192, 16384)  # at the base's E
-SWEEP_EXPERTS = (16, 32, 64, 128, 256)  # at the base's tokens
+SWEEP_EXPERTS = (8, 16, 32, 64, 128, 256)  # at the base's tokens
+SWEEP_TOP_K = (1, 2, 4, 8)  # at the base's E and tokens
+# The shape entry each sweep varies: (d_model, d_ff, experts, top_k, tokens).
+SWEEP_AXES = {"tokens_sweep": 4, "experts_sweep": 2, "top_k_sweep": 3}
 
 
 def sweep_shapes():
   """Returns [(config name, shape)] of the scaling sweep."""
   d, f, experts, k, tokens = SWEEP_BASE
   rows = [("tokens_sweep", (d, f, experts, k, t)) for t in SWEEP_TOKENS]
-  return rows + [("experts_sweep", (d, f, e, k, tokens)) for e in SWEEP_EXPERTS]
+  rows += [("experts_sweep", (d, f, e, k, tokens)) for e in SWEEP_EXPERTS]
+  return rows + [("top_k_sweep", (d, f, experts, top, tokens)) for top in SWEEP_TOP_K]
+
+
+def _exponent(y0, y1, x0, x1) -> Optional[float]:
+  """Returns a of y ~ x^a through (x0, y0) and (x1, y1); None without two
+  distinct x or positive y."""
+  if not (y0 and y1 and y0 > 0 and y1 > 0) or x0 == x1:
+    return None
+  return round(math.log(y1 / y0) / math.log(x1 / x0), 3)
+
+
+def growth_laws(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+  """Returns one record per (sweep, path) of the sweep `rows`, dense included:
+  the exponents a of time ~ x^a (`ms_exponent`, from the median ms) and of peak
+  memory ~ x^a (`peak_bytes_exponent`) between the first and the last point the
+  path was timed at (`from` / `to`: the swept value), in sweep and row order."""
+  points: Dict[Any, List[Tuple[int, float, Optional[int]]]] = {}
+  for row in rows:
+    axis = SWEEP_AXES.get(row["config"])
+    if axis is None:
+      continue
+    x = (row["d_model"], row["d_ff"], row["experts"], row["top_k"], row["tokens"])[axis]
+    points.setdefault((row["config"], row["dispatcher"]), []).append(
+        (x, row["ms"], row["peak_bytes"]))
+    dense = points.setdefault((row["config"], "dense"), [])
+    if not dense or dense[-1][0] != x:
+      dense.append((x, row["dense_ms"], row["dense_peak_bytes"]))
+  laws = []
+  for (sweep, path), series in points.items():
+    (x0, ms0, bytes0), (x1, ms1, bytes1) = series[0], series[-1]
+    laws.append({"growth": sweep, "path": path, "from": x0, "to": x1,
+                 "ms_exponent": _exponent(ms0, ms1, x0, x1),
+                 "peak_bytes_exponent": _exponent(bytes0, bytes1, x0, x1)})
+  return laws
 
 
 def config_name(shape) -> str:
@@ -295,6 +338,7 @@ def time_shape(config: str, shape, dispatchers: Sequence[str], rounds: int = 5,
         "compiled_flops": paths[dispatcher][2],
         "dense_compiled_flops": paths["dense"][2],
         "peak_bytes": paths[dispatcher][1],
+        "dense_peak_bytes": paths["dense"][1],
     })
   return rows
 
@@ -323,12 +367,28 @@ def _print_row(row, as_json: bool):
     return
   peak = row["peak_bytes"] / 2**20 if row["peak_bytes"] else float("nan")
   print(f"{row['config']:20} {row['dispatcher']:24} {row['tokens']:6d} "
-        f"{row['experts']:4d} {str(row['capacity_factor']):>5} "
+        f"{row['experts']:4d} {row['top_k']:3d} {str(row['capacity_factor']):>5} "
         f"{row['ms']:9.2f} [{row['ms_min']:.0f}-{row['ms_max']:.0f}] "
         f"{row['dense_ms']:9.2f} {row['ratio_to_dense']:6.2f} "
         f"[{row['ratio_to_dense_min']:.2f}-{row['ratio_to_dense_max']:.2f}] "
         f"{row['peak_fraction']:6.1%} {row['dense_peak_fraction']:6.1%} {peak:9.1f}",
         flush=True)
+
+
+def _print_growth(laws: List[Dict[str, Any]], as_json: bool):
+  """Prints the sweep's growth laws as JSON objects or as a table."""
+  if not as_json:
+    print(f"# growth laws: time ~ x^a and peak memory ~ x^a between each sweep's first "
+          f"and last point\n{'sweep':14} {'path':16} {'x':>11} {'a (time)':>9} "
+          f"{'a (memory)':>10}")
+  for law in laws:
+    if as_json:
+      print(json.dumps(law), flush=True)
+      continue
+    show = lambda a: "-" if a is None else f"{a:.2f}"
+    print(f"{law['growth']:14} {law['path']:16} {law['from']:>5}-{law['to']:<5} "
+          f"{show(law['ms_exponent']):>9} {show(law['peak_bytes_exponent']):>10}",
+          flush=True)
 
 
 def _header(peak_start: float, peak_end: float, load_start, load_end, rounds: int,
@@ -338,7 +398,7 @@ def _header(peak_start: float, peak_end: float, load_start, load_end, rounds: in
           f"pairs with dense per path; matmul peak {peak_start / 1e9:.1f} GFLOP/s at start, "
           f"{peak_end / 1e9:.1f} at end; load average {load_start} at start, "
           f"{load_end} at end\n"
-          f"{'config':20} {'dispatcher':24} {'tokens':>6} {'E':>4} {'cf':>5} "
+          f"{'config':20} {'dispatcher':24} {'tokens':>6} {'E':>4} {'k':>3} {'cf':>5} "
           f"{'ms [min-max]':>15} {'dense_ms':>9} {'ratio [min-max]':>18} "
           f"{'%peak':>6} {'dense%':>6} {'peak_MiB':>9}")
 
@@ -380,7 +440,7 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help=f"{QUICK_TOKENS} tokens")
   parser.add_argument("--sweep", action="store_true",
-                      help="scaling sweep: tokens 1k-16k, then E 16-256")
+                      help="scaling sweep: tokens 1k-16k, E 8-256, top_k 1-8")
   parser.add_argument("--json", action="store_true", help="one JSON object per row")
   parser.add_argument("--rounds", "--runs", dest="rounds", type=int, default=5,
                       help="timed pairs (dense, path) per path (--runs: the old name)")
@@ -415,6 +475,8 @@ def main(argv=None):
                   info["loadavg_start"], info["loadavg_end"], args.rounds, args.dtype))
   for row in rows:
     _print_row(row, args.json)
+  if args.sweep:
+    _print_growth(growth_laws(rows), args.json)
 
 
 if __name__ == "__main__":

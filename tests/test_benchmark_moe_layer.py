@@ -1,6 +1,7 @@
 """benchmarks/moe_layer.py: every path it times computes the same MoE layer (checked
 against an independent dense oracle), plus smoke tests of its rows and sweep."""
 import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,7 @@ KEYS = {"config", "dispatcher", "tokens", "experts", "top_k", "capacity_factor",
         "ratio_to_dense", "ratio_to_dense_min", "ratio_to_dense_max", "useful_flops",
         "dense_useful_flops", "flops_source", "compiled_flops", "peak_fraction",
         "dense_peak_fraction", "peak_flops_start", "peak_flops_end", "loadavg_start",
-        "loadavg_end", "peak_bytes"}
+        "loadavg_end", "peak_bytes", "dense_peak_bytes"}
 # (d_model, d_ff, experts, top_k, tokens): 16 experts at a mean load of 8 choices and
 # 10 slots each, so the capacity paths drop choices.
 SHAPE = (16, 32, 16, 2, 64)
@@ -224,23 +225,78 @@ def test_each_path_is_timed_in_pairs_with_dense_and_ratios_taken_per_pair(
   assert times == {"a": (pytest.approx([1.0, 2.0]), pytest.approx([3.0, 6.0]))}
 
 
-def test_sweep_prints_json_rows(bench, monkeypatch, capsys):
+def test_sweep_prints_json_rows_then_the_growth_laws(bench, monkeypatch, capsys):
   assert [s[4] for c, s in bench.sweep_shapes() if c == "tokens_sweep"] == [
       1024, 2048, 4096, 8192, 16384]
   assert [s[2] for c, s in bench.sweep_shapes() if c == "experts_sweep"] == [
-      16, 32, 64, 128, 256]
+      8, 16, 32, 64, 128, 256]
+  assert [s[3] for c, s in bench.sweep_shapes() if c == "top_k_sweep"] == [1, 2, 4, 8]
   monkeypatch.setattr(bench, "SWEEP_BASE", (16, 32, 4, 2, 64))
   monkeypatch.setattr(bench, "SWEEP_TOKENS", (32,))
   monkeypatch.setattr(bench, "SWEEP_EXPERTS", (8,))
+  monkeypatch.setattr(bench, "SWEEP_TOP_K", (1, 4))
   monkeypatch.setattr(bench.timing, "matmul_peak", lambda dtype: 1e9)
   bench.main(["--sweep", "--json", "--rounds", "2", "--warmup", "0",
               "--dispatchers", "einsum,sort", "--max_einsum_elements", "0"])
   out = capsys.readouterr()
-  rows = [json.loads(line) for line in out.out.splitlines()]
+  lines = [json.loads(line) for line in out.out.splitlines()]
+  rows = [line for line in lines if "growth" not in line]
   assert all(KEYS <= set(row) and row["rounds"] == 2 for row in rows)
-  assert [(r["config"], r["dispatcher"], r["tokens"], r["experts"]) for r in rows] == [
-      ("tokens_sweep", "sort", 32, 4), ("experts_sweep", "sort", 64, 8)]
-  assert out.err.count("skip einsum") == 2
+  assert [(r["config"], r["dispatcher"], r["tokens"], r["experts"], r["top_k"])
+          for r in rows] == [("tokens_sweep", "sort", 32, 4, 2),
+                             ("experts_sweep", "sort", 64, 8, 2),
+                             ("top_k_sweep", "sort", 64, 4, 1),
+                             ("top_k_sweep", "sort", 64, 4, 4)]
+  assert out.err.count("skip einsum") == 4
+  # After the rows: the growth laws, one per sweep and path (dense included).
+  laws = lines[len(rows):]
+  assert [(g["growth"], g["path"], g["from"], g["to"]) for g in laws] == [
+      ("tokens_sweep", "sort", 32, 32), ("tokens_sweep", "dense", 32, 32),
+      ("experts_sweep", "sort", 8, 8), ("experts_sweep", "dense", 8, 8),
+      ("top_k_sweep", "sort", 1, 4), ("top_k_sweep", "dense", 1, 4)]
+  k1, k4 = rows[2], rows[3]
+  assert laws[4]["ms_exponent"] == pytest.approx(
+      math.log(k4["ms"] / k1["ms"]) / math.log(4), abs=1e-3)
+  assert laws[5]["peak_bytes_exponent"] == pytest.approx(
+      math.log(k4["dense_peak_bytes"] / k1["dense_peak_bytes"]) / math.log(4), abs=1e-3)
+  assert laws[0]["ms_exponent"] is None  # one point: no law
+
+
+def test_growth_laws_by_hand(bench):
+  """Exponents of made-up sweep rows: time x4 and memory x2 when x doubles twice
+  gives a = 1 and 0.5 (first and last point; the middle one is not on that law);
+  the dense series comes from the dense columns, once per x."""
+  def row(config, path, x, ms, peak, dense_ms, dense_peak):
+    shape = (dict(tokens=4096, experts=64, top_k=x) if config == "top_k_sweep"
+             else dict(tokens=x, experts=64, top_k=2))
+    return dict(config=config, dispatcher=path, d_model=8, d_ff=8, ms=ms,
+                peak_bytes=peak, dense_ms=dense_ms, dense_peak_bytes=dense_peak, **shape)
+
+  rows = [row("tokens_sweep", "sort", 1024, 10.0, 100, 5.0, 50),
+          row("tokens_sweep", "block_cf", 1024, 20.0, 100, 5.5, 50),
+          # A middle point off the end points' law: the law joins first and last.
+          row("tokens_sweep", "sort", 2048, 13.0, 900, 7.0, 60),
+          row("tokens_sweep", "sort", 4096, 40.0, 200, 80.0, 800),
+          row("tokens_sweep", "block_cf", 4096, 20.0, 400, 90.0, 800),
+          row("top_k_sweep", "sort", 1, 3.0, 8, 1.0, 1),
+          row("top_k_sweep", "sort", 8, 24.0, 8, 8.0, 1),
+          row("no_sweep", "sort", 2, 1.0, 1, 1.0, 1)]
+  laws = {(g["growth"], g["path"]): g for g in bench.growth_laws(rows)}
+  assert list(laws) == [("tokens_sweep", "sort"), ("tokens_sweep", "dense"),
+                        ("tokens_sweep", "block_cf"), ("top_k_sweep", "sort"),
+                        ("top_k_sweep", "dense")]
+  assert laws["tokens_sweep", "sort"]["ms_exponent"] == pytest.approx(1.0)
+  assert laws["tokens_sweep", "sort"]["peak_bytes_exponent"] == pytest.approx(0.5)
+  assert laws["tokens_sweep", "block_cf"]["ms_exponent"] == pytest.approx(0.0)
+  assert laws["tokens_sweep", "block_cf"]["peak_bytes_exponent"] == pytest.approx(1.0)
+  # Dense from the first row at each x: 5 -> 80 ms (a = 2), 50 -> 800 bytes (a = 2).
+  assert laws["tokens_sweep", "dense"]["ms_exponent"] == pytest.approx(2.0)
+  assert laws["tokens_sweep", "dense"]["peak_bytes_exponent"] == pytest.approx(2.0)
+  assert (laws["tokens_sweep", "dense"]["from"], laws["tokens_sweep", "dense"]["to"]) == (
+      1024, 4096)
+  assert laws["top_k_sweep", "sort"]["ms_exponent"] == pytest.approx(1.0)
+  assert laws["top_k_sweep", "sort"]["peak_bytes_exponent"] == pytest.approx(0.0)
+  assert laws["top_k_sweep", "dense"]["ms_exponent"] == pytest.approx(1.0)
 
 
 def test_own_shapes_name_their_rows_and_bad_ones_are_refused(bench, monkeypatch, capsys):
