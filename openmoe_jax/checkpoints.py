@@ -26,11 +26,9 @@ environment variable OPENMOE_JAX_DEBUG_SAVE_DELAY_S delays the end of every
 background save by that many seconds, so that a test can kill the process while a
 checkpoint is being written.
 """
-import gc
 import logging
 import os
 import shutil
-import sys
 from typing import Any, Callable, Optional
 
 from etils import epath
@@ -42,7 +40,8 @@ import orbax.checkpoint as ocp
 
 from openmoe_jax import errors
 from openmoe_jax.checkpoint_handlers import (REPLICA_PARALLEL_MIN_SLICE_BYTES,
-                                             DelayedJsonHandler, StateHandler)
+                                             DelayedJsonHandler, StateHandler,
+                                             quiet_failed_reads)
 
 _STATE = "state"
 _DATA_POSITION = "data_position"
@@ -106,10 +105,6 @@ def _reason(error: BaseException) -> str:
   """Returns a one-line description of `error` (type and first line)."""
   text = str(error).strip().splitlines()
   return f"{type(error).__name__}: {text[0] if text else ''}"[:500]
-
-
-def _drop_unraisable(unraisable: Any) -> None:
-  del unraisable
 
 
 def check_writable(model_dir: str) -> None:
@@ -332,8 +327,9 @@ class Checkpointer:
     `abstract_state` in shape or in parameter paths; returns None when they fit or
     the metadata cannot be read (the restore then reports the damage)."""
     try:
-      stored = ocp.StandardCheckpointHandler().metadata(
-          epath.Path(self._step_path(step)) / _STATE)
+      with quiet_failed_reads():
+        stored = ocp.StandardCheckpointHandler().metadata(
+            epath.Path(self._step_path(step)) / _STATE)
       stored = _flat_shapes(getattr(stored, "tree", stored))
     except Exception:  # pylint: disable=broad-except
       return
@@ -357,19 +353,11 @@ class Checkpointer:
 
   def _restore_step(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
     """Returns (state, data_position) of `step`; raises whatever Orbax raises."""
-    previous, sys.unraisablehook = sys.unraisablehook, _drop_unraisable
-    try:
+    with quiet_failed_reads():
       restored = self._manager.restore(step, args=ocp.args.Composite(**{
           _STATE: ocp.args.StandardRestore(abstract_state),
           _DATA_POSITION: ocp.args.JsonRestore(),
       }))
-    except Exception:
-      # Orbax abandons the reads of the other arrays; their coroutines would print
-      # the same failure, with a page of TensorStore spec each, when collected.
-      gc.collect()
-      raise
-    finally:
-      sys.unraisablehook = previous
     return restored[_STATE], dict(restored[_DATA_POSITION] or {})
 
   def _step_path(self, step: int) -> str:

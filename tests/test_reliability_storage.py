@@ -1,9 +1,12 @@
 """Storage faults injected for real (issue 14, items 2 and 6): damaged checkpoints
 fall back to the previous complete one, partial saves are ignored and cleaned, an
 unwritable MODEL_DIR and a failing save raise one clear error and lose nothing."""
+import asyncio
 import errno
 import glob
 import os
+import sys
+import types
 
 import gin
 import jax
@@ -13,7 +16,7 @@ import pytest
 from run_files import tree_digest
 from orbax.checkpoint._src.path import atomicity
 
-from openmoe_jax import checkpoints
+from openmoe_jax import checkpoint_handlers, checkpoints
 
 
 def _state(step):
@@ -100,6 +103,63 @@ def test_damaged_latest_falls_back_to_previous(tmp_path, damage):
     ckpt.wait_until_finished()
     state, _ = ckpt.restore()
     _assert_state_of(state, 33)
+
+
+def _unraisable(raise_it):
+  """Returns an unraisable-hook record of the exception `raise_it()` raises."""
+  try:
+    raise_it()
+  except Exception as e:  # pylint: disable=broad-except
+    return types.SimpleNamespace(exc_type=type(e), exc_value=e,
+                                 exc_traceback=e.__traceback__, err_msg=None,
+                                 object=None)
+  raise AssertionError(f"{raise_it} raised nothing")
+
+
+def _raise_the_same_words_elsewhere():
+  raise RuntimeError("Event loop is closed")
+
+
+def test_a_failed_read_drops_only_the_closed_loop_error_of_its_abandoned_reads(
+    tmp_path, monkeypatch):
+  """Orbax closes its event loop while TensorStore still reads the other arrays; a
+  read finishing later reports "Event loop is closed" as an unraisable exception,
+  after the fallback moved on. A failed read (the restore, or the metadata read of
+  the shape check) installs, once, a hook that drops exactly that error (raised in
+  asyncio's call_soon_threadsafe) and passes on everything else, the same words
+  raised elsewhere included."""
+  reported = []
+  report = reported.append
+  model_dir = _saved(tmp_path)
+  _truncate_array_data(os.path.join(model_dir, "checkpoints", "3"))
+  abstract = jax.eval_shape(lambda: _state(0))
+  with checkpoints.Checkpointer(model_dir, 1, None, print_fn=lambda _: None) as ckpt:
+    # The shape check's metadata read fails on this damage too (no verdict: None).
+    monkeypatch.setattr(sys, "unraisablehook", report)
+    assert ckpt._check_fits(3, abstract) is None  # pylint: disable=protected-access
+    assert isinstance(sys.unraisablehook, checkpoint_handlers.AbandonedReadsFilter)
+    monkeypatch.setattr(sys, "unraisablehook", report)
+    ckpt.restore()
+    assert ckpt.restored_step == 2
+  hook = sys.unraisablehook
+  assert isinstance(hook, checkpoint_handlers.AbandonedReadsFilter)
+  assert hook.previous is report
+  checkpoint_handlers.filter_abandoned_reads()
+  assert sys.unraisablehook is hook  # not wrapped twice
+  loop = asyncio.new_event_loop()
+  loop.close()
+  closed_loop = _unraisable(lambda: loop.call_soon_threadsafe(print))
+  same_words = _unraisable(_raise_the_same_words_elsewhere)
+  open_loop = asyncio.new_event_loop()
+  open_loop.set_debug(True)  # checks the callback: a TypeError in the same function
+  same_place = _unraisable(lambda: open_loop.call_soon_threadsafe(42))
+  open_loop.close()
+  other = _unraisable(lambda: 1 / 0)
+  records = (closed_loop, same_words, same_place, other)
+  for unraisable in records:
+    hook(unraisable)
+  mine = [u for u in reported if any(u is x for x in records)]
+  assert mine == [same_words, same_place, other]
 
 
 def test_fallback_off_stops_and_names_the_damaged_checkpoint(tmp_path):
