@@ -375,6 +375,10 @@ def _print_row(row, as_json: bool):
         flush=True)
 
 
+def _exponent_text(a: Optional[float]) -> str:
+  return "-" if a is None else f"{a:.2f}"
+
+
 def _print_growth(laws: List[Dict[str, Any]], as_json: bool):
   """Prints the sweep's growth laws as JSON objects or as a table."""
   if not as_json:
@@ -385,10 +389,9 @@ def _print_growth(laws: List[Dict[str, Any]], as_json: bool):
     if as_json:
       print(json.dumps(law), flush=True)
       continue
-    show = lambda a: "-" if a is None else f"{a:.2f}"
     print(f"{law['growth']:14} {law['path']:16} {law['from']:>5}-{law['to']:<5} "
-          f"{show(law['ms_exponent']):>9} {show(law['peak_bytes_exponent']):>10}",
-          flush=True)
+          f"{_exponent_text(law['ms_exponent']):>9} "
+          f"{_exponent_text(law['peak_bytes_exponent']):>10}", flush=True)
 
 
 def _header(peak_start: float, peak_end: float, load_start, load_end, rounds: int,

@@ -116,9 +116,10 @@ def filter_abandoned_reads() -> None:
   """Installs `AbandonedReadsFilter` over the current unraisable hook, once.
 
   When Orbax fails to read a damaged checkpoint (a restore, or its metadata) it
-  closes its event loop while TensorStore is still reading the other arrays. When such a read finishes, its
-  completion callback finds the loop closed, and Python prints "Exception ignored
-  in: None ... RuntimeError: Event loop is closed", seconds after the fallback has
-  moved on. The filter drops exactly that error, whenever it arrives."""
+  closes its event loop while TensorStore is still reading the other arrays. When
+  such a read finishes, its completion callback finds the loop closed, and Python
+  prints "Exception ignored in: None ... RuntimeError: Event loop is closed",
+  seconds after the fallback has moved on. The filter drops exactly that error,
+  whenever it arrives."""
   if not isinstance(sys.unraisablehook, AbandonedReadsFilter):
     sys.unraisablehook = AbandonedReadsFilter(sys.unraisablehook)
