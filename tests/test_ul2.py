@@ -81,6 +81,10 @@ def test_span_corruption_statistics_and_reconstruction(vocab, name):
     all_spans.extend(spans)
     if len(tokens) == piece:  # document tails are shorter pieces
       full_spans.extend(spans)
+      # The lengths the pieces were cut by are the examples' real lengths.
+      assert (sum(spans), len(spans)) == ul2.span_counts(piece, d.noise_density,
+                                                         d.mean_span)
+      assert (len(ex["inputs"]), len(ex["targets"])) == ul2.example_lengths(d, piece, 1)
   np.testing.assert_array_equal(rebuilt, np.concatenate(docs))
   n_full = len(examples) - len(docs)
   density = sum(full_spans) / (n_full * piece)
@@ -276,7 +280,30 @@ def test_denoiser_validation():
     ul2.Denoiser("bad", 0.1, 0.9, 3.0)
   with pytest.raises(ValueError):
     ul2.Denoiser("bad", 0.1, 0.0)
+  with pytest.raises(ValueError):
+    ul2.Denoiser("bad", 0.1, 1.0)  # a prefix LM needs some inputs
+  with pytest.raises(ValueError):
+    ul2.Denoiser("bad", -0.1, 0.5)
+  with pytest.raises(ValueError):
+    ul2.Denoiser("bad", 0.1, 0.5, 0.5)  # spans of at least one token
   assert ul2.Denoiser("ok", 0.1, 0.75, 3.0).mean_span == 3.0
+  # The edges are allowed: rate 0 (a denoiser switched off in gin), single-token
+  # spans up to density 1 / 2 (as many noise spans as gaps between them).
+  assert ul2.Denoiser("off", 0.0, 0.5).rate == 0.0
+  assert ul2.Denoiser("ok", 0.1, 0.5, 1.0).mean_span == 1.0
+  with pytest.raises(ValueError):
+    ul2.Denoiser("bad", 0.1, 0.51, 1.0)
+
+
+def test_prefix_lm_piece_fills_the_inputs_when_they_bind():
+  # A prefix LM cuts a piece of n tokens with at least one on each side, so its
+  # inputs hold at most the mode token + n - 1 tokens and its targets n - 1 + EOS:
+  # 64 inputs take pieces of 64 tokens (63 + the mode token), 65 without a mode.
+  d = DENOISERS["prefix_lm"]
+  lengths = {"inputs": 64, "targets": 1024}
+  assert ul2.piece_length(d, lengths, 1, 100) == 64
+  assert ul2.piece_length(d, lengths, 0, 100) == 65
+  assert ul2.example_lengths(d, 64, 1) == (64, 64)
 
 
 def test_mode_ids_fall_back_to_text():
