@@ -113,3 +113,28 @@ def test_drop_rows_after_keeps_earlier_rows_only(tmp_path):
   rows = [json.loads(l) for l in open(os.path.join(model_dir, metrics.JSONL_NAME))]
   assert [(r["step"], r["train/loss"]) for r in rows] == [(0, 0.0), (1, 1.0), (2, 2.0),
                                                           (3, 30.0)]
+
+
+def test_only_the_chief_touches_metrics_jsonl_and_remote_stores_rewrite_it(tmp_path):
+  model_dir = str(tmp_path / "run")
+  path = os.path.join(model_dir, metrics.JSONL_NAME)
+  with metrics.MetricsLogger(model_dir) as logger:
+    assert logger.drop_rows_after(0) == 0  # no file yet
+    for step in (0, 1, 2):
+      logger.write(step, {"train/loss": float(step)})
+  before = open(path).read()
+  with metrics.MetricsLogger(model_dir, is_chief=False) as other:  # another host
+    assert other.drop_rows_after(0) == 0
+    other.write(5, {"train/loss": 5.0})
+  assert open(path).read() == before
+  # A store that cannot append (gs://) gets the whole file rewritten on each flush;
+  # forced here on a local directory.
+  with metrics.MetricsLogger(model_dir) as logger:
+    logger._local = False  # pylint: disable=protected-access
+    logger.write(3, {"train/loss": 3.0})
+    logger.write(4, {"train/loss": 4.0})
+    assert open(path).read() == before  # buffered until the flush
+    logger.flush()
+    logger.write(5, {"train/loss": 5.0})
+  rows = [json.loads(l) for l in open(path)]
+  assert [(r["step"], r["train/loss"]) for r in rows] == [(s, float(s)) for s in range(6)]
