@@ -27,6 +27,7 @@ shrinks every size so the script runs on a CPU in well under a minute (the tests
 Not run on a GPU yet.
 """
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -43,8 +44,11 @@ import optax  # noqa: E402
 from benchmarks import moe_layer, timing  # noqa: E402
 from openmoe_jax import flops, partitioning  # noqa: E402
 from openmoe_jax.config import ModelConfig, MoeConfig  # noqa: E402
+from openmoe_jax.layers.attention_impls import PlainAttention  # noqa: E402
 from openmoe_jax.model import Decoder  # noqa: E402
-from openmoe_jax.moe.dispatch import AutoDispatcher  # noqa: E402
+from openmoe_jax.moe.dispatch import AutoDispatcher, BlockDispatcher  # noqa: E402
+from openmoe_jax.moe.dispatch import EinsumDispatcher, RaggedDispatcher  # noqa: E402
+from openmoe_jax.moe.dispatch import SortDispatcher  # noqa: E402
 from openmoe_jax.moe.layer import router_of  # noqa: E402
 from openmoe_jax.objectives import CausalLm  # noqa: E402
 from openmoe_jax.trainer import Trainer  # noqa: E402
@@ -84,35 +88,53 @@ def spec_peak_flops(device_kind: str):
   return None
 
 
-def layer_section(shapes, dispatchers, rounds: int, budget_s: float) -> Dict[str, Any]:
-  """Returns {"rows", "skipped", run info}: moe_layer's paired rows in bf16 for
-  each shape started within `budget_s` seconds."""
+def error_text(error: Exception) -> str:
+  """Returns `error`'s type and the first 2000 characters of its message."""
+  return f"{type(error).__name__}: {str(error)[:2000]}"
+
+
+def layer_section(shapes, dispatchers, rounds: int, budget_s: float,
+                  min_sample_ms: float) -> Dict[str, Any]:
+  """Returns {"rows", "skipped", "failed", run info}: moe_layer's paired rows in
+  bf16 for each shape started within `budget_s` seconds, each timed sample at least
+  `min_sample_ms` long (timing.paired_ms). A shape whose paths fail to compile or
+  run is listed under "failed" with the error, and the next shape goes on."""
   dtype = jnp.bfloat16
-  start, skipped, rows = time.perf_counter(), [], []
+  start, skipped, failed, rows = time.perf_counter(), [], {}, []
   load_start, peak_start = timing.load_average(), timing.matmul_peak(dtype)
   for config, shape in shapes.items():
     if time.perf_counter() - start > budget_s:
       skipped.append(config)
       continue
     print(f"moe_layer {config} {shape}", file=sys.stderr, flush=True)
-    rows += moe_layer.time_shape(config, shape, dispatchers, rounds, 1, dtype)
+    try:
+      rows += moe_layer.time_shape(config, shape, dispatchers, rounds, 1, dtype,
+                                   min_sample_ms)
+    except Exception as error:  # pylint: disable=broad-except
+      failed[config] = error_text(error)
+      print(f"moe_layer {config} failed: {failed[config][:300]}", file=sys.stderr)
   peak_end, load_end = timing.matmul_peak(dtype), timing.load_average()
   moe_layer.finish_rows(rows, peak_start, peak_end, load_start, load_end)
-  return {"rows": rows, "skipped_configs": skipped, "dtype": "bfloat16",
-          "rounds": rounds, "peak_flops_start": peak_start, "peak_flops_end": peak_end,
+  return {"rows": rows, "skipped_configs": skipped, "failed_configs": failed,
+          "dtype": "bfloat16", "rounds": rounds, "min_sample_ms": min_sample_ms,
+          "peak_flops_start": peak_start, "peak_flops_end": peak_end,
           "loadavg_start": load_start, "loadavg_end": load_end,
           "seconds": round(time.perf_counter() - start, 1)}
 
 
-def default_dispatcher(cfg: ModelConfig, batch_tokens: int) -> str:
-  """Returns the repr of the dispatcher AutoDispatcher picks for `cfg`'s MoE layers
-  on this platform and the current mesh, in training."""
+def dispatcher_label(cfg: ModelConfig, batch_tokens: int) -> str:
+  """Returns the repr of `cfg`'s MoE dispatcher, or where it is AutoDispatcher (None
+  is) "AutoDispatcher -> " and the one it picks on this platform and the current
+  mesh, in training."""
   moe = cfg.moe
+  if moe.dispatcher is not None and not isinstance(moe.dispatcher, AutoDispatcher):
+    return repr(moe.dispatcher)
   group = min(moe.group_size, batch_tokens)
   capacity = router_of(moe).capacity(
       group, num_experts=moe.num_experts, top_k=moe.top_k,
       capacity_factor=moe.capacity_factor(True), min_capacity=moe.min_capacity)
-  return repr(AutoDispatcher().choose(group, moe.num_experts, capacity, moe.top_k))
+  picked = AutoDispatcher().choose(group, moe.num_experts, capacity, moe.top_k)
+  return f"AutoDispatcher -> {picked!r}"
 
 
 def train_section(cfg: ModelConfig, batch_size: int, length: int, max_steps: int,
@@ -130,7 +152,7 @@ def train_section(cfg: ModelConfig, batch_size: int, length: int, max_steps: int
     trainer = Trainer(Decoder(cfg), CausalLm(),
                       optax.inject_hyperparams(optax.adamw)(learning_rate=1e-4),
                       mesh, length)
-    dispatcher = default_dispatcher(cfg, batch_size * length)
+    dispatcher = dispatcher_label(cfg, batch_size * length)
     state = trainer.init_state(jax.random.PRNGKey(0))
     params = sum(x.size for x in jax.tree.leaves(state.params))
     rng = jax.random.PRNGKey(1)
@@ -153,7 +175,7 @@ def train_section(cfg: ModelConfig, batch_size: int, length: int, max_steps: int
       "model_flops_per_token": counts["total"],
       "hardware_flops_per_token": counts["hardware_total"],
       "batch_size": batch_size, "sequence_length": length, "devices": devices,
-      "dispatcher": f"AutoDispatcher -> {dispatcher}", "dtype": cfg.dtype,
+      "dispatcher": dispatcher, "dtype": cfg.dtype,
       "steps_timed": len(step_ms), **timing.spread(step_ms, "step_ms"),
       "compile_and_warmup_s": round(compile_s, 1),
       "tokens_per_s": round(tokens_per_s, 1),
@@ -167,6 +189,51 @@ def train_section(cfg: ModelConfig, batch_size: int, length: int, max_steps: int
       "seconds": round(time.perf_counter() - start, 1)}
 
 
+def train_with_fallback(cfg: ModelConfig, batch_size: int, length: int,
+                        max_steps: int, budget_s: float) -> Dict[str, Any]:
+  """Returns `train_section` of `cfg` with its default attention; if that fails
+  (a cuDNN attention this jax or GPU refuses, say), the error under
+  "default_attention_error" and the section again with `PlainAttention()`."""
+  try:
+    return {"attention": "default (AutoAttention)",
+            **train_section(cfg, batch_size, length, max_steps, budget_s)}
+  except Exception as error:  # pylint: disable=broad-except
+    message = error_text(error)
+    print(f"train step failed with the default attention: {message[:300]}",
+          file=sys.stderr)
+  plain = dataclasses.replace(cfg, attention_impl=PlainAttention())
+  return {"attention": "PlainAttention (fallback)",
+          "default_attention_error": message,
+          **train_section(plain, batch_size, length, max_steps, budget_s)}
+
+
+# Dispatchers the train step is also timed with (`--train_dispatchers`), each in
+# place of the default one for every MoE layer of the model.
+TRAIN_DISPATCHERS = {"einsum": EinsumDispatcher(), "sort": SortDispatcher(),
+                     "block": BlockDispatcher(),
+                     "ragged_dot": RaggedDispatcher("ragged_dot")}
+
+
+def train_by_dispatcher(cfg: ModelConfig, names, batch_size: int, length: int,
+                        max_steps: int, budget_s: float) -> Dict[str, Any]:
+  """Returns {name: train_section's tokens/s, step times and MFU} of `cfg` with
+  each named dispatcher of `TRAIN_DISPATCHERS` (a failure: {"error": ...})."""
+  keep = ("dispatcher", "step_ms", "step_ms_min", "step_ms_max", "steps_timed",
+          "tokens_per_s", "mfu_measured_peak", "mfu_spec_peak",
+          "compile_and_warmup_s")
+  results = {}
+  for name in names:
+    print(f"train step with {name}", file=sys.stderr, flush=True)
+    moe = dataclasses.replace(cfg.moe, dispatcher=TRAIN_DISPATCHERS[name])
+    try:
+      section = train_section(dataclasses.replace(cfg, moe=moe), batch_size, length,
+                              max_steps, budget_s)
+      results[name] = {k: section[k] for k in keep}
+    except Exception as error:  # pylint: disable=broad-except
+      results[name] = {"error": error_text(error)}
+  return results
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--output", required=True, help="path of the JSON written")
@@ -177,22 +244,41 @@ def main(argv=None):
   parser.add_argument("--train_budget_s", type=float, default=150.0)
   parser.add_argument("--train_steps", type=int, default=None,
                       help="most timed train steps (20; tiny 3)")
+  parser.add_argument("--train_dispatchers", default="einsum,sort,block,ragged_dot",
+                      help="comma-separated TRAIN_DISPATCHERS the train step is "
+                           "also timed with ('' for none)")
+  parser.add_argument("--dispatcher_budget_s", type=float, default=30.0,
+                      help="timing budget of each --train_dispatchers entry")
+  parser.add_argument("--min_sample_ms", type=float, default=20.0,
+                      help="off CPU: each layer-table sample is back-to-back calls "
+                           "lasting at least this long (timing.paired_ms)")
   args = parser.parse_args(argv)
   start = time.perf_counter()
   if args.tiny:
     shapes, dispatchers = LAYER_TINY, TINY_DISPATCHERS
     cfg, train = MODEL_TINY, TRAIN_TINY
   else:
-    shapes, dispatchers = moe_layer.CONFIGS, tuple(moe_layer.DISPATCHERS)
+    shapes = moe_layer.CONFIGS
+    dispatchers = tuple(moe_layer.DISPATCHERS) + (moe_layer.FLOOR, moe_layer.ROUTER)
     cfg, train = MODEL_1B, TRAIN_1B
   rounds = args.rounds or (2 if args.tiny else 5)
   steps = args.train_steps or (3 if args.tiny else 20)
   report = {"device": device_info(), "tiny": args.tiny,
             "loadavg_start": timing.load_average()}
-  report["moe_layer"] = layer_section(shapes, dispatchers, rounds, args.layer_budget_s)
-  report["train_step"] = train_section(cfg, train["batch_size"],
-                                       train["sequence_length"], steps,
-                                       args.train_budget_s)
+  on_cpu = jax.devices()[0].platform == "cpu"
+  report["moe_layer"] = layer_section(shapes, dispatchers, rounds, args.layer_budget_s,
+                                      0.0 if on_cpu else args.min_sample_ms)
+  report["train_step"] = train_with_fallback(cfg, train["batch_size"],
+                                             train["sequence_length"], steps,
+                                             args.train_budget_s)
+  names = [n for n in args.train_dispatchers.split(",") if n]
+  unknown = sorted(set(names) - set(TRAIN_DISPATCHERS))
+  if unknown:
+    parser.error(f"--train_dispatchers: unknown {unknown}; "
+                 f"known: {sorted(TRAIN_DISPATCHERS)}")
+  report["train_step_by_dispatcher"] = train_by_dispatcher(
+      cfg, names, train["batch_size"], train["sequence_length"],
+      min(steps, 10), args.dispatcher_budget_s)
   report["loadavg_end"] = timing.load_average()
   report["seconds"] = round(time.perf_counter() - start, 1)
   with open(args.output, "w") as f:

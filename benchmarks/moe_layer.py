@@ -311,15 +311,17 @@ def compile_paths(shape, dispatchers: Sequence[str], dtype: Any = jnp.float32):
 
 
 def time_shape(config: str, shape, dispatchers: Sequence[str], rounds: int = 5,
-               warmup: int = 1, dtype: Any = jnp.float32) -> List[Dict[str, Any]]:
+               warmup: int = 1, dtype: Any = jnp.float32,
+               min_sample_ms: float = 0.0) -> List[Dict[str, Any]]:
   """Returns one row per dispatcher for `shape`, all paths and the dense baseline
-  timed in pairs with dense (module docstring); rows lack the run-wide fields that
-  `finish_rows` adds (peaks, peak fractions, load averages)."""
+  timed in pairs with dense (module docstring; `min_sample_ms`: timing.paired_ms);
+  rows lack the run-wide fields that `finish_rows` adds (peaks, peak fractions,
+  load averages)."""
   d_model, d_ff, experts, top_k, tokens = shape
   paths = compile_paths(shape, dispatchers, dtype)
   times = timing.paired_ms(paths["dense"][0],
                            {k: v[0] for k, v in paths.items() if k != "dense"},
-                           rounds, warmup)
+                           rounds, warmup, min_sample_ms)
   rows = []
   for dispatcher, (dense, ms) in times.items():
     floor, router = dispatcher == FLOOR, dispatcher == ROUTER

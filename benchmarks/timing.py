@@ -11,8 +11,14 @@ set (a 2 GiB one-hot tensor, say) from evicting the caches the next path starts
 with. Beside the ratio goes the achieved FLOP/s as a fraction of a matmul peak
 measured in the same process (`flops.measured_matmul_peak_flops`), and the load
 average, so a reader can tell a busy machine's numbers.
+
+On an accelerator one call of a small path lasts less than launching it from Python
+(a 4096-token MoE layer on a GPU: ~0.2 ms of work). There `min_sample_ms` makes each
+timed sample `repeat` calls back to back, the last one waited for, divided by
+`repeat`: the device queues the calls, so a sample times the work, not the launch.
 """
 import argparse
+import math
 import os
 import statistics
 import time
@@ -35,9 +41,12 @@ def load_average() -> Optional[List[float]]:
 
 def matmul_peak(dtype: Any) -> float:
   """Returns the measured matmul peak FLOP/s of device 0 in `dtype`: the fastest
-  4096-wide matmul on an accelerator, 1024-wide on CPU."""
-  size = 1024 if jax.devices()[0].platform == "cpu" else 4096
-  return flops.measured_matmul_peak_flops(jnp.dtype(dtype), size)
+  1024-wide matmul on CPU; on an accelerator the fastest sample of 5 back-to-back
+  8192-wide ones (one 4096-wide bf16 product is ~0.2 ms on an H100, the size of
+  its launch cost)."""
+  if jax.devices()[0].platform == "cpu":
+    return flops.measured_matmul_peak_flops(jnp.dtype(dtype), 1024)
+  return flops.measured_matmul_peak_flops(jnp.dtype(dtype), 8192, calls=5)
 
 
 def compile_fn(fn: Callable, *args) -> Tuple[Callable, Optional[int], Optional[float]]:
@@ -54,24 +63,39 @@ def compile_fn(fn: Callable, *args) -> Tuple[Callable, Optional[int], Optional[f
   return compiled, peak, counted
 
 
-def call_ms(call: Callable[[], Any]) -> float:
-  """Returns the milliseconds of one call of `call`, its results waited for."""
+def call_ms(call: Callable[[], Any], repeat: int = 1) -> float:
+  """Returns the milliseconds of one call of `call`: `repeat` calls back to back,
+  the last one's results waited for, the time divided by `repeat`."""
   start = time.perf_counter()
+  for _ in range(repeat - 1):
+    call()
   jax.block_until_ready(call())
-  return (time.perf_counter() - start) * 1e3
+  return (time.perf_counter() - start) * 1e3 / repeat
+
+
+def repeats_for(call: Callable[[], Any], min_sample_ms: float) -> int:
+  """Returns how many back-to-back calls of `call` last `min_sample_ms` (one call
+  timed to tell); 1 when `min_sample_ms` is 0, without calling."""
+  if min_sample_ms <= 0:
+    return 1
+  return max(1, math.ceil(min_sample_ms / max(call_ms(call), 1e-3)))
 
 
 def paired_ms(base: Callable[[], Any], calls: Dict[str, Callable[[], Any]],
-              rounds: int, warmup: int = 1
+              rounds: int, warmup: int = 1, min_sample_ms: float = 0.0
               ) -> Dict[str, Tuple[List[float], List[float]]]:
   """Returns {name: (base ms per pair, name's ms per pair)}: for each entry of
-  `calls` in turn, `warmup` untimed then `rounds` timed pairs (base, call)."""
+  `calls` in turn, `warmup` untimed then `rounds` timed pairs (base, call), each
+  side's sample `repeats_for(side, min_sample_ms)` calls long (module docstring)."""
   times = {}
   for name, call in calls.items():
     for _ in range(warmup):
       jax.block_until_ready(base())
       jax.block_until_ready(call())
-    pairs = [(call_ms(base), call_ms(call)) for _ in range(rounds)]
+    base_repeat = repeats_for(base, min_sample_ms)
+    call_repeat = repeats_for(call, min_sample_ms)
+    pairs = [(call_ms(base, base_repeat), call_ms(call, call_repeat))
+             for _ in range(rounds)]
     times[name] = ([b for b, _ in pairs], [c for _, c in pairs])
   return times
 

@@ -10,7 +10,6 @@ import time
 from collections.abc import Callable, Mapping
 
 import numpy as np
-from clu import metric_writers
 from etils import epath
 
 JSONL_NAME = "metrics.jsonl"
@@ -45,6 +44,8 @@ class MetricsLogger:
     self.model_dir = epath.Path(model_dir)
     self.is_chief = is_chief
     self.jsonl_path = self.model_dir / JSONL_NAME
+    # clu's writers bring TensorFlow: imported by a logger, not by `import trainer`.
+    from clu import metric_writers  # pylint: disable=g-import-not-at-top
     if is_chief:
       self.model_dir.mkdir(parents=True, exist_ok=True)
       self._writer = metric_writers.create_default_writer(os.fspath(self.model_dir))

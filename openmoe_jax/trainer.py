@@ -25,7 +25,6 @@ from openmoe_jax import checkpoints
 from openmoe_jax.checkpoints import Checkpointer, abstract_with_shardings
 from openmoe_jax.config import ModelConfig, build_model_config
 from openmoe_jax.convert import params_export
-from openmoe_jax.data import pipeline
 from openmoe_jax.distributed import maybe_initialize_distributed
 from openmoe_jax.metrics import MetricsLogger
 from openmoe_jax.model import Decoder
@@ -302,6 +301,9 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
   of them in a row stop the run with `train_loop.TrainingDivergedError`.
   `peak_flops_per_sec`: a device's peak for `mfu` (None: TPU spec or measured; flops.py)
   """
+  # Imported here, not at the top: seqio and TensorFlow feed only `train`'s data, so
+  # `Trainer` and the step builders import without them (benchmarks on a GPU image).
+  from openmoe_jax.data import pipeline  # pylint: disable=g-import-not-at-top
   maybe_initialize_distributed(distributed)
   objective = objective or CausalLm()
   stages = tuple(stages) or (Stage(0, mixture_or_task_name, objective),)

@@ -225,6 +225,32 @@ def test_each_path_is_timed_in_pairs_with_dense_and_ratios_taken_per_pair(
   assert times == {"a": (pytest.approx([1.0, 2.0]), pytest.approx([3.0, 6.0]))}
 
 
+def test_min_sample_ms_times_back_to_back_calls_and_divides(bench, monkeypatch):
+  """On an accelerator a sample is `repeat` queued calls, the last waited for: the
+  clock is read once around all of them and the time divided by `repeat`."""
+  clock = iter([0.0, 0.012])
+  monkeypatch.setattr(bench.timing.time, "perf_counter", lambda: next(clock))
+  calls = []
+  assert bench.timing.call_ms(lambda: calls.append(1), repeat=4) == pytest.approx(3.0)
+  assert len(calls) == 4
+  # One call timed at 0.3 ms: 20 ms needs 67 calls; 0 needs one and no timing call.
+  clock = iter([0.0, 0.0003])
+  assert bench.timing.repeats_for(lambda: 0, 20.0) == 67
+  assert bench.timing.repeats_for(lambda: 1 / 0, 0.0) == 1
+  # paired_ms: each side's repeats come from its own timed call, after the warmup.
+  monkeypatch.undo()
+  order = []
+  record = lambda n: (lambda: order.append(n))
+  monkeypatch.setattr(bench.timing, "repeats_for",
+                      lambda call, ms: {"dense": 2, "a": 3}[call.__name__] if ms else 1)
+  named = lambda n: type("Call", (), {"__call__": staticmethod(record(n)),
+                                      "__name__": n})()
+  times = bench.timing.paired_ms(named("dense"), {"a": named("a")}, rounds=2,
+                                 warmup=1, min_sample_ms=20.0)
+  assert order == ["dense", "a"] + (["dense"] * 2 + ["a"] * 3) * 2
+  assert [len(side) for side in times["a"]] == [2, 2]
+
+
 def test_sweep_prints_json_rows_then_the_growth_laws(bench, monkeypatch, capsys):
   assert [s[4] for c, s in bench.sweep_shapes() if c == "tokens_sweep"] == [
       1024, 2048, 4096, 8192, 16384]

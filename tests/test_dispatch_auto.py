@@ -63,18 +63,23 @@ def test_choice_per_platform_and_size():
     assert auto.choose(256, 8, 256, 2) == AllToAllDispatcher(buffer_dispatcher=SortDispatcher())
 
 
-def test_gpu_picks_the_ragged_dot_grouped_matmul(monkeypatch):
+def test_gpu_picks_sort_for_capacity_and_ragged_dot_for_dropless(monkeypatch):
+  """The fastest of each kind on an H200 (module docstring): sort for capacity
+  routing, even where the CPU picks einsum or block; lax.ragged_dot for dropless."""
   auto = AutoDispatcher()
   for kind in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA A100-SXM4-80GB"):
     with compile_target(kind):
-      # Small E (einsum on CPU), capacity-limited (sort on CPU) and dropless alike.
-      for args in [(256, 8, 40, 2), (4096, 64, 160, 2), (4096, 64, 4096, 2)]:
-        assert auto.choose(*args) == RaggedDispatcher("ragged_dot"), (kind, args)
-  # A faked GPU backend (no compile target) picks it too.
+      # Small E (einsum on CPU) and many rows per expert (block on CPU).
+      for args in [(256, 8, 40, 2), (4096, 16, 640, 2), (4096, 64, 160, 2)]:
+        assert auto.choose(*args) == SortDispatcher(), (kind, args)
+      # Dropless: E x C over twice the s x k choices.
+      assert auto.choose(4096, 64, 4096, 2) == RaggedDispatcher("ragged_dot"), kind
+  # A faked GPU backend (no compile target) picks the same.
   gpu = type("FakeGpu", (), {"platform": "gpu", "device_kind": "NVIDIA H200"})()
   with monkeypatch.context() as m:
     m.setattr(jax, "devices", lambda *a: [gpu])
-    assert auto.choose(256, 8, 40, 2) == RaggedDispatcher("ragged_dot")
+    assert auto.choose(256, 8, 40, 2) == SortDispatcher()
+    assert auto.choose(256, 8, 256, 2) == RaggedDispatcher("ragged_dot")
   assert auto.choose(256, 8, 40, 2) == EinsumDispatcher()  # back on the CPU
   # Experts split over devices: the GPU keeps the capacity / padded rules.
   expert_mesh = jax.make_mesh((2, 2), ("data", "expert"), devices=jax.devices()[:4],

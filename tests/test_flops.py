@@ -3,6 +3,7 @@ the calibration matmul, and train/mfu in a short training run."""
 import json
 import math
 import os
+import types
 
 import jax
 import jax.numpy as jnp
@@ -148,6 +149,21 @@ def test_peak_calibration_times_many_reps(monkeypatch):
   calls.clear()
   flops.measured_matmul_peak_flops(jnp.float32, size=64, reps=4, budget_s=0.0)
   assert len(calls) == 1 + 2  # the budget is spent: stops after two timed reps
+  calls.clear()
+  flops.measured_matmul_peak_flops(jnp.float32, size=64, reps=4, budget_s=0.0,
+                                   calls=5)
+  assert len(calls) == 1 + 2 * 5  # each rep queues 5 matmuls
+
+
+def test_peak_calibration_divides_a_rep_by_its_calls(monkeypatch):
+  """A rep of `calls` back-to-back matmuls reads the clock around all of them; the
+  peak is 2 size^3 FLOPs over the rep's time / calls."""
+  ticks = iter([0.0, 0.0, 1.0, 1.0, 3.0])  # start, rep 1 (1 s), rep 2 (2 s)
+  # flops' own clock only (jax's compile reads time.perf_counter too).
+  monkeypatch.setattr(flops, "time", types.SimpleNamespace(
+      perf_counter=lambda: next(ticks, 100.0)))
+  peak = flops.measured_matmul_peak_flops(jnp.float32, size=64, reps=2, calls=4)
+  assert peak == pytest.approx(2 * 64 ** 3 / (1.0 / 4))
 
 
 def test_peak_calibration_and_sources():
