@@ -9,10 +9,17 @@ imported as top-level modules (`from moe_reference import ...`): tests/ has no
 __init__.py, so pytest puts it on sys.path. They are not library code.
 """
 import atexit
+import importlib.metadata
 import os
 import pathlib
 import shutil
 import tempfile
+
+
+def _jaxlib_version():
+  """Returns jaxlib's (major, minor) from its metadata, without importing it."""
+  return tuple(int(part) for part in importlib.metadata.version("jaxlib").split(".")[:2])
+
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -26,8 +33,10 @@ if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 # XLA:CPU's older loop emitters for fusions compile these programs in less than half
 # the time of the newer fusion emitters (two ablation arms: 12.4 s -> 5.6 s of
-# compile, same losses); the HLO passes are the same either way.
-if "--xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
+# compile, same losses); the HLO passes are the same either way. jaxlib 0.11 removed
+# the flag (and aborts on an unknown one): set only where jaxlib is older.
+if ("--xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]
+    and _jaxlib_version() < (0, 11)):
   os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 
 # One persistent compilation cache for the session, shared by both xdist workers and
