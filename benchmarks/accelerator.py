@@ -10,7 +10,9 @@ Runs on whatever device jax sees first (GPU, TPU or CPU) and writes ONE JSON fil
   analytic useful FLOPs as a fraction of a bf16 matmul peak measured at the start
   and the end of the section, load average) for the issue's three configs in
   bfloat16, every dispatcher of `moe_layer.DISPATCHERS` ("auto" is the default
-  dispatcher's pick for the platform: `RaggedDispatcher("ragged_dot")` on GPU);
+  dispatcher's pick for the platform: `SortDispatcher` on GPU for capacity routing),
+  the experts-only floor and the router alone. Off the CPU each timed sample is
+  back-to-back calls lasting at least `--min_sample_ms` (timing.paired_ms);
 - `train_step`: tokens/s of the compiled train step (`trainer.Trainer`, causal LM,
   AdamW, bf16 activations, synthetic batches of 8 x 2048 tokens) of `MODEL_1B`
   (1.08B parameters, 0.34B matmul parameters activated per token: 16 layers of d
@@ -18,13 +20,17 @@ Runs on whatever device jax sees first (GPU, TPU or CPU) and writes ONE JSON fil
   residual MLP of width 2816, the default dispatcher), median and spread of the
   timed steps, and MFU = tokens/s x `flops.model_flops_per_token` / (peak x
   devices) against the bf16 matmul peak measured here and, on a GPU in
-  `GPU_PEAK_FLOPS` (H100/H200/A100 spec sheets, dense bf16), against the spec peak.
+  `GPU_PEAK_FLOPS` (H100/H200/A100 spec sheets, dense bf16), against the spec peak;
+  if the default attention fails, the error and the step with `PlainAttention()`;
+- `train_step_by_dispatcher`: the same step with each of `--train_dispatchers`.
 
-Each section has a time budget (`--layer_budget_s`, `--train_budget_s`; defaults
-keep the whole run under 8 minutes with compiles): a section stops starting new
-configs or steps once its budget is spent, and lists what it skipped. `--tiny`
-shrinks every size so the script runs on a CPU in well under a minute (the tests).
-Not run on a GPU yet.
+Each section has a time budget (`--layer_budget_s`, `--train_budget_s`,
+`--dispatcher_budget_s`; defaults keep the whole run under 8 minutes with compiles):
+a section stops starting new configs or steps once its budget is spent, and lists
+what it skipped; a config or dispatcher that fails is written into the JSON with its
+error and the run goes on (one try on a lent GPU should not lose the rest).
+`--tiny` shrinks every size so the script runs on a CPU in well under a minute (the
+tests). Run on one NVIDIA H200 on 2026-12-04: README, docs/benchmarks/.
 """
 import argparse
 import dataclasses
@@ -253,6 +259,11 @@ def main(argv=None):
                       help="off CPU: each layer-table sample is back-to-back calls "
                            "lasting at least this long (timing.paired_ms)")
   args = parser.parse_args(argv)
+  names = [n for n in args.train_dispatchers.split(",") if n]
+  unknown = sorted(set(names) - set(TRAIN_DISPATCHERS))
+  if unknown:
+    parser.error(f"--train_dispatchers: unknown {unknown}; "
+                 f"known: {sorted(TRAIN_DISPATCHERS)}")
   start = time.perf_counter()
   if args.tiny:
     shapes, dispatchers = LAYER_TINY, TINY_DISPATCHERS
@@ -271,11 +282,6 @@ def main(argv=None):
   report["train_step"] = train_with_fallback(cfg, train["batch_size"],
                                              train["sequence_length"], steps,
                                              args.train_budget_s)
-  names = [n for n in args.train_dispatchers.split(",") if n]
-  unknown = sorted(set(names) - set(TRAIN_DISPATCHERS))
-  if unknown:
-    parser.error(f"--train_dispatchers: unknown {unknown}; "
-                 f"known: {sorted(TRAIN_DISPATCHERS)}")
   report["train_step_by_dispatcher"] = train_by_dispatcher(
       cfg, names, train["batch_size"], train["sequence_length"],
       min(steps, 10), args.dispatcher_budget_s)

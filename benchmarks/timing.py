@@ -40,13 +40,11 @@ def load_average() -> Optional[List[float]]:
 
 
 def matmul_peak(dtype: Any) -> float:
-  """Returns the measured matmul peak FLOP/s of device 0 in `dtype`: the fastest
-  1024-wide matmul on CPU; on an accelerator the fastest sample of 5 back-to-back
-  8192-wide ones (one 4096-wide bf16 product is ~0.2 ms on an H100, the size of
-  its launch cost)."""
-  if jax.devices()[0].platform == "cpu":
-    return flops.measured_matmul_peak_flops(jnp.dtype(dtype), 1024)
-  return flops.measured_matmul_peak_flops(jnp.dtype(dtype), 8192, calls=5)
+  """Returns the measured matmul peak FLOP/s of device 0 in `dtype`, with the
+  trainer's calibration matmul (`flops.calibration_matmul`: 1024-wide on CPU, 5
+  back-to-back 8192-wide ones a rep elsewhere)."""
+  size, calls = flops.calibration_matmul(jax.devices()[0])
+  return flops.measured_matmul_peak_flops(jnp.dtype(dtype), size, calls=calls)
 
 
 def compile_fn(fn: Callable, *args) -> Tuple[Callable, Optional[int], Optional[float]]:

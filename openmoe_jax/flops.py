@@ -163,9 +163,12 @@ def measured_matmul_peak_flops(dtype: Any = jnp.float32, size: int = 1024,
   return 2.0 * size ** 3 / best
 
 
-def _calibration_size(device: jax.Device) -> int:
-  """Returns the calibration matmul's width on `device`: 4096 on GPU, 1024 elsewhere."""
-  return 4096 if device.platform == "gpu" else 1024
+def calibration_matmul(device: jax.Device) -> Tuple[int, int]:
+  """Returns (width, back-to-back calls per timed rep) of the calibration matmul on
+  `device`: (1024, 1) on CPU; elsewhere (8192, 5), since a 4096-wide bf16 product
+  lasts ~0.2 ms on an H200, not much more than launching it and waiting for it
+  (measured there: 749-793 TFLOP/s this way)."""
+  return (1024, 1) if device.platform == "cpu" else (8192, 5)
 
 
 def calibration(peak_flops_per_sec: Optional[float], dtype: Any,
@@ -176,15 +179,16 @@ def calibration(peak_flops_per_sec: Optional[float], dtype: Any,
   if peak_flops_per_sec is not None or (device.platform == "tpu"
                                         and device.device_kind in TPU_PEAK_FLOPS):
     return None
-  return functools.partial(measured_matmul_peak_flops, dtype,
-                           _calibration_size(device), device=device)
+  size, calls = calibration_matmul(device)
+  return functools.partial(measured_matmul_peak_flops, dtype, size, device=device,
+                           calls=calls)
 
 
 def resolve_peak_flops(peak_flops_per_sec: Optional[float], dtype: Any,
                        device: Optional[jax.Device] = None) -> Tuple[float, str]:
   """Returns (peak FLOP/s of one device, where it came from): the gin value when
   given, else the spec sheet for a known TPU kind, else a calibration matmul in
-  `dtype` on `device` (4096-wide on GPU, 1024 elsewhere)."""
+  `dtype` on `device` (`calibration_matmul`)."""
   if peak_flops_per_sec is not None:
     if not peak_flops_per_sec > 0:
       raise ValueError(f"train.peak_flops_per_sec={peak_flops_per_sec} must be > 0 "
@@ -194,7 +198,7 @@ def resolve_peak_flops(peak_flops_per_sec: Optional[float], dtype: Any,
   calibrate = calibration(None, dtype, device)
   if calibrate is None:
     return TPU_PEAK_FLOPS[device.device_kind], f"the {device.device_kind} spec sheet"
-  size = _calibration_size(device)
+  size, _ = calibration_matmul(device)
   return calibrate(), (f"measured: fastest {size}x{size} {jnp.dtype(dtype).name} "
                        f"matmul on {device.device_kind}")
 

@@ -141,3 +141,12 @@ def test_model_1b_has_about_a_billion_parameters_and_gpu_peaks():
   assert accelerator.spec_peak_flops("NVIDIA H200") == 989e12
   assert accelerator.spec_peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
   assert accelerator.spec_peak_flops("cpu") is None
+
+
+def test_an_unknown_train_dispatcher_is_refused_before_anything_runs(
+    accelerator, monkeypatch, capsys, tmp_path):
+  monkeypatch.setattr(accelerator, "layer_section", lambda *a: 1 / 0)
+  with pytest.raises(SystemExit):
+    accelerator.main([f"--output={tmp_path / 'x.json'}", "--train_dispatchers=sort,fast"])
+  assert "unknown ['fast']" in capsys.readouterr().err
+  assert not (tmp_path / "x.json").exists()

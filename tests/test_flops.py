@@ -166,6 +166,19 @@ def test_peak_calibration_divides_a_rep_by_its_calls(monkeypatch):
   assert peak == pytest.approx(2 * 64 ** 3 / (1.0 / 4))
 
 
+def test_calibration_matmul_per_platform():
+  """A GPU's calibration is 5 queued 8192-wide products a rep (a single 4096-wide
+  one on an H200 times its launch too); the CPU's one 1024-wide product; the
+  trainer's calibration and the benchmarks' peak use the same."""
+  gpu = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H200")
+  assert flops.calibration_matmul(gpu) == (8192, 5)
+  assert flops.calibration_matmul(jax.devices()[0]) == (1024, 1)
+  calibrate = flops.calibration(None, "bfloat16", gpu)
+  assert calibrate.args == ("bfloat16", 8192)
+  assert calibrate.keywords == {"device": gpu, "calls": 5}
+  assert flops.calibration(3e14, "bfloat16", gpu) is None  # given in gin
+
+
 def test_peak_calibration_and_sources():
   measured = flops.measured_matmul_peak_flops(jnp.float32, size=256)
   assert math.isfinite(measured) and measured > 0
