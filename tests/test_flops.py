@@ -64,6 +64,25 @@ def test_capacity_moe_layer_counted_by_hand():
   assert counts["experts"] == 6 * 2 * expert and counts["router"] == 6 * router
 
 
+def test_two_moe_layers_and_a_batch_smaller_than_the_group_counted_by_hand():
+  """Per-layer terms count each MoE layer (2 here, not 1), and the group is the
+  batch when the batch is smaller: 128 tokens give each expert round(1.1 x 128 / 4)
+  = 35 slots, 4 x 35 / 128 = 35/32 passes per token (a 4096-token group would give
+  4 x 1126 / 4096)."""
+  moe = MoeConfig(num_experts=4, top_k=2, expert_d_ff=32, group_size=4096,
+                  capacity_factor_train=1.1, min_capacity=4, residual_mlp=False)
+  cfg = _config(num_layers=3, layer_pattern="MDM", moe=moe)
+  dense_mlp = 3 * D * 64  # swiglu, d_ff 64
+  expert = 3 * D * 32
+  shared = 3 * ATTENTION_PROJECTIONS + dense_mlp + 2 * D * 4 + HEAD
+  model = 6 * (shared + 2 * 2 * expert) + 3 * ATTENTION_SCORES_TRAIN
+  hardware = 6 * (shared + 2 * (35 / 32) * expert) + 3 * ATTENTION_SCORES_TRAIN
+  counts = flops.model_flops_per_token(cfg, T, batch_tokens=128)
+  assert counts["total"] == model and counts["hardware_total"] == hardware
+  assert counts["router"] == 6 * 2 * D * 4 and counts["mlp"] == 6 * dense_mlp
+  assert counts["experts"] == 6 * 2 * 2 * expert
+
+
 def test_dropless_moe_with_gated_shared_expert_counted_by_hand():
   moe = MoeConfig(num_experts=4, top_k=2, expert_d_ff=32, group_size=64,
                   residual_mlp=False, router=TokenChoiceRouter(dropless=True),
@@ -91,6 +110,22 @@ def test_expert_choice_counts_its_capacity_per_expert():
               + ATTENTION_SCORES_TRAIN)
   counts = flops.model_flops_per_token(cfg, T, batch_tokens=256)
   assert counts["total"] == counts["hardware_total"] == expected
+
+
+def test_expert_choice_unit_is_the_sequence_or_the_group_by_level():
+  """Capacity is rounded per routing unit (level "batch": the MoE group), so the
+  unit shows: at capacity factor 1.1, k 2, E 4, a sequence of 64 tokens gives each
+  expert round(35.2) = 35 slots (4 x 35 / 64 passes per token) and a group of three
+  sequences round(105.6) = 106 (4 x 106 / 192)."""
+  for level, passes in [("sequence", 4 * 35 / 64), ("batch", 4 * 106 / 192)]:
+    moe = MoeConfig(num_experts=4, top_k=2, expert_d_ff=32, group_size=192,
+                    capacity_factor_train=1.1, residual_mlp=False,
+                    router=ExpertChoiceRouter(level=level))
+    cfg = _config(layer_pattern="M", moe=moe)
+    expected = (6 * (ATTENTION_PROJECTIONS + D * 4 + passes * 3 * D * 32 + HEAD)
+                + ATTENTION_SCORES_TRAIN)
+    counts = flops.model_flops_per_token(cfg, T, batch_tokens=192)
+    assert counts["total"] == pytest.approx(expected, rel=1e-12), level
 
 
 def test_full_remat_adds_one_forward_to_hardware_flops_only():
