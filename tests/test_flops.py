@@ -65,22 +65,26 @@ def test_capacity_moe_layer_counted_by_hand():
 
 
 def test_two_moe_layers_and_a_batch_smaller_than_the_group_counted_by_hand():
-  """Per-layer terms count each MoE layer (2 here, not 1), and the group is the
-  batch when the batch is smaller: 128 tokens give each expert round(1.1 x 128 / 4)
-  = 35 slots, 4 x 35 / 128 = 35/32 passes per token (a 4096-token group would give
-  4 x 1126 / 4096)."""
+  """Per-layer terms (router, experts, the shared expert) count each MoE layer (2
+  here, not 1), and the group is the batch when the batch is smaller: 128 tokens
+  give each expert round(1.1 x 128 / 4) = 35 slots, 4 x 35 / 128 = 35/32 passes
+  per token (a 4096-token group would give 4 x 1126 / 4096)."""
   moe = MoeConfig(num_experts=4, top_k=2, expert_d_ff=32, group_size=4096,
-                  capacity_factor_train=1.1, min_capacity=4, residual_mlp=False)
+                  capacity_factor_train=1.1, min_capacity=4, residual_mlp=False,
+                  num_shared_experts=1, shared_expert_d_ff=16)
   cfg = _config(num_layers=3, layer_pattern="MDM", moe=moe)
   dense_mlp = 3 * D * 64  # swiglu, d_ff 64
   expert = 3 * D * 32
-  shared = 3 * ATTENTION_PROJECTIONS + dense_mlp + 2 * D * 4 + HEAD
+  shared_expert = 3 * D * 16  # always on, ungated: no router column
+  shared = (3 * ATTENTION_PROJECTIONS + dense_mlp + 2 * D * 4 + 2 * shared_expert
+            + HEAD)
   model = 6 * (shared + 2 * 2 * expert) + 3 * ATTENTION_SCORES_TRAIN
   hardware = 6 * (shared + 2 * (35 / 32) * expert) + 3 * ATTENTION_SCORES_TRAIN
   counts = flops.model_flops_per_token(cfg, T, batch_tokens=128)
   assert counts["total"] == model and counts["hardware_total"] == hardware
   assert counts["router"] == 6 * 2 * D * 4 and counts["mlp"] == 6 * dense_mlp
   assert counts["experts"] == 6 * 2 * 2 * expert
+  assert counts["shared_experts"] == 6 * 2 * shared_expert
 
 
 def test_dropless_moe_with_gated_shared_expert_counted_by_hand():
