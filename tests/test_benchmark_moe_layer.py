@@ -251,6 +251,25 @@ def test_min_sample_ms_times_back_to_back_calls_and_divides(bench, monkeypatch):
   assert [len(side) for side in times["a"]] == [2, 2]
 
 
+def test_compile_fn_reads_what_each_backend_reports(bench, monkeypatch):
+  """Peak bytes are temp + arguments; FLOPs come from a dict or (older jax) a
+  list of dicts; a backend that reports nothing gives None, not an error."""
+  fn, x = lambda a: a @ a, jnp.ones((8, 8))
+  compiled, peak, counted = bench.timing.compile_fn(fn, x)
+  mem = compiled.memory_analysis()
+  assert peak == mem.temp_size_in_bytes + mem.argument_size_in_bytes
+  assert counted == compiled.cost_analysis()["flops"] > 0
+  for reported, want in [(None, None), ([], None), ({}, None), ({"bytes": 1.0}, None),
+                         ([{"flops": 7.0}], 7.0), ({"flops": 5}, 5.0)]:
+    fake = type("Compiled", (), {"memory_analysis": lambda self: None,
+                                 "cost_analysis": lambda self, r=reported: r})()
+    lowered = type("Lowered", (), {"compile": lambda self, c=fake: c})()
+    monkeypatch.setattr(bench.timing.jax, "jit", lambda f, l=lowered: type(
+        "Jitted", (), {"lower": lambda self, *a: l})())
+    assert bench.timing.compile_fn(fn, x)[1:] == (None, want), reported
+    monkeypatch.undo()
+
+
 def test_sweep_prints_json_rows_then_the_growth_laws(bench, monkeypatch, capsys):
   assert [s[4] for c, s in bench.sweep_shapes() if c == "tokens_sweep"] == [
       1024, 2048, 4096, 8192, 16384]
