@@ -236,6 +236,12 @@ def test_min_sample_ms_times_back_to_back_calls_and_divides(bench, monkeypatch):
   # One call timed at 0.3 ms: 20 ms needs 67 calls; 0 needs one and no timing call.
   clock = iter([0.0, 0.0003])
   assert bench.timing.repeats_for(lambda: 0, 20.0) == 67
+  clock = iter([0.0, 0.0003])
+  assert bench.timing.repeats_for(lambda: 0, 0.5) == 2  # any positive minimum counts
+  clock = iter([0.0, 0.030])  # one call already lasts the minimum
+  assert bench.timing.repeats_for(lambda: 0, 20.0) == 1
+  clock = iter([0.0, 0.0])  # a call faster than the clock: read as 1 us
+  assert bench.timing.repeats_for(lambda: 0, 20.0) == 20000
   assert bench.timing.repeats_for(lambda: 1 / 0, 0.0) == 1
   # paired_ms: each side's repeats come from its own timed call, after the warmup.
   monkeypatch.undo()
