@@ -350,6 +350,17 @@ def test_growth_laws_by_hand(bench):
   assert laws["top_k_sweep", "dense"]["ms_exponent"] == pytest.approx(1.0)
 
 
+def test_parse_shapes_takes_positive_integers_and_refuses_any_bad_shape(bench):
+  fields = ("d_model", "d_ff", "experts", "top_k", "tokens")
+  parse = lambda text: bench.timing.parse_shapes(text, fields)
+  assert parse("16,32,4,2,64;16,32,6,2,64") == [(16, 32, 4, 2, 64), (16, 32, 6, 2, 64)]
+  assert parse("1,1,1,1,1") == [(1, 1, 1, 1, 1)]  # 1 is positive
+  for bad in ("16,32,0,2,64", "16,32,4,2,64;16,32,-1,2,64", "16,32,4,2", "",
+              "16,32,4,2,64;x"):
+    with pytest.raises(bench.argparse.ArgumentTypeError, match="positive integers"):
+      parse(bad)
+
+
 def test_own_shapes_name_their_rows_and_bad_ones_are_refused(bench, monkeypatch, capsys):
   monkeypatch.setattr(bench.timing, "matmul_peak", lambda dtype: 1e9)
   bench.main(["--json", "--rounds", "1", "--warmup", "0", "--shapes",
