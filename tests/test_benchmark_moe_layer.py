@@ -350,6 +350,17 @@ def test_growth_laws_by_hand(bench):
   assert laws["top_k_sweep", "dense"]["ms_exponent"] == pytest.approx(1.0)
 
 
+def test_synthetic_batch_is_next_token_prediction_over_real_tokens(bench):
+  batch = bench.timing.synthetic_batch(50, 3, 16)
+  tokens, targets = batch["decoder_input_tokens"], batch["decoder_target_tokens"]
+  assert tokens.shape == targets.shape == (3, 16) and tokens.dtype == np.int32
+  np.testing.assert_array_equal(targets[:, :-1], tokens[:, 1:])  # the next token
+  assert tokens.min() >= 1 and tokens.max() < 50  # no padding id 0
+  assert (batch["decoder_loss_weights"] == 1).all()
+  assert (batch["decoder_segment_ids"] == 1).all()
+  np.testing.assert_array_equal(batch["decoder_positions"], np.tile(np.arange(16), (3, 1)))
+
+
 def test_parse_shapes_takes_positive_integers_and_refuses_any_bad_shape(bench):
   fields = ("d_model", "d_ff", "experts", "top_k", "tokens")
   parse = lambda text: bench.timing.parse_shapes(text, fields)

@@ -197,7 +197,7 @@ def test_peak_calibration_times_many_reps(monkeypatch):
 def test_peak_calibration_divides_a_rep_by_its_calls(monkeypatch):
   """A rep of `calls` back-to-back matmuls reads the clock around all of them; the
   peak is 2 size^3 FLOPs over the rep's time / calls."""
-  ticks = iter([0.0, 0.0, 1.0, 1.0, 3.0])  # start, rep 1 (1 s), rep 2 (2 s)
+  ticks = iter([10.0, 10.0, 11.0, 11.0, 13.0])  # start, rep 1 (1 s), rep 2 (2 s)
   # flops' own clock only (jax's compile reads time.perf_counter too).
   monkeypatch.setattr(flops, "time", types.SimpleNamespace(
       perf_counter=lambda: next(ticks, 100.0)))
