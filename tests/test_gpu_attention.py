@@ -13,19 +13,13 @@ import pytest
 
 from openmoe_jax.layers.attention_impls import PlainAttention, XlaDotProductAttention
 from openmoe_jax.layers.attention_mask import AttentionMask
+from test_attention_impls import T, _segments_bt  # the CPU tests' packed rows
 
 pytestmark = pytest.mark.skipif(
     jax.default_backend() != "gpu",
     reason="needs an NVIDIA GPU (cuDNN); CI has none: run with JAX_PLATFORMS=cuda")
 
-B, T, H, K = 2, 256, 4, 64
-
-
-def _segments_bt() -> np.ndarray:
-  """Returns packed segment ids [2, T]: 2 and 3 segments, padding (0) last."""
-  row0 = [1] * 100 + [2] * 140 + [0] * 16
-  row1 = [1] * 60 + [2] * 90 + [3] * 86 + [0] * 20
-  return np.asarray([row0, row1], np.int32)
+B, H, K = 2, 4, 64  # T = 256 tokens, as the CPU tests
 
 
 def _mask(kind: str, packed: bool) -> AttentionMask:
