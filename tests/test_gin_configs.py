@@ -11,6 +11,8 @@ import pytest
 from openmoe_jax import gin_utils
 from openmoe_jax.config import ModelConfig, MoeConfig
 from openmoe_jax.model import Decoder
+from openmoe_jax.moe.layer import router_of
+from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter
 
 GIN_ROOT = pathlib.Path(__file__).resolve().parents[1] / "gin"
 GIN_FILES = sorted(str(p.relative_to(GIN_ROOT)) for p in GIN_ROOT.rglob("*.gin"))
@@ -81,10 +83,42 @@ def test_expected_param_count_by_hand():
   assert expected_param_count(cfg) == 2 * 10 * 4 + 4 + dense + sparse
 
 
-def test_openmoe_base_preset_has_the_published_shape():
+# OpenMoE's three models as REFERENCE.md's table has them (the t5x gin files that
+# trained them): (layers, d_model, heads, head_dim, MLP dim, experts, MoE layer
+# indices ("every 4th" / "every 6th" layer), group size, router z-loss weight).
+OPENMOE_PRESETS = {
+    "models/openmoe_base_16e.gin": (12, 768, 12, 64, 2048, 16, [3, 7, 11], 4096, 1e-4),
+    "models/openmoe_8b_32e.gin": (24, 2048, 24, 128, 8192, 32, [5, 11, 17, 23], 4096,
+                                  1e-4),
+    "models/openmoe_34b_32e.gin": (32, 3072, 24, 128, 12288, 32,
+                                   list(range(3, 32, 4)), 8192, 1e-3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPENMOE_PRESETS))
+def test_openmoe_presets_have_the_published_settings(name):
+  layers, d, heads, head_dim, d_ff, experts, moe_layers, group, z_loss = (
+      OPENMOE_PRESETS[name])
   gin.clear_config()
   gin_utils.import_configurables()
-  gin_utils.parse_gin(["models/openmoe_base_16e.gin"], finalize=False)
+  gin_utils.parse_gin([name], finalize=False)
   cfg = ModelConfig()
-  assert [i for i, s in enumerate(cfg.sparse_layers()) if s] == [3, 7, 11]
-  assert (cfg.d_model, cfg.moe.num_experts, cfg.vocab_size) == (768, 16, 256384)
+  moe = cfg.moe
+  assert (cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.d_ff) == (
+      layers, d, heads, head_dim, d_ff)
+  assert [i for i, s in enumerate(cfg.sparse_layers()) if s] == moe_layers
+  assert (moe.num_experts, moe.expert_d_ff, cfg.vocab_size) == (experts, None, 256384)
+  # REFERENCE.md, "Shared": top-2, capacity factor 1.25 train / 2.0 eval, the group
+  # size, load-balance loss 0.01, the z-loss, batch-prioritized routing off, router
+  # jitter 0, router init normal(0.02); the residual MLP after the experts, softmax
+  # gates used as they are, first choices served first (flaxformer's order).
+  assert (moe.top_k, moe.capacity_factor_train, moe.capacity_factor_eval) == (2, 1.25, 2.0)
+  assert (moe.group_size, moe.lb_loss_weight, moe.z_loss_weight) == (group, 0.01, z_loss)
+  assert (moe.router_init_std, moe.residual_mlp, moe.gate) == (0.02, True, "softmax")
+  assert (moe.renormalize_gates, moe.routed_scaling_factor) == (False, 1.0)
+  assert moe.num_shared_experts == 0 and cfg.num_dense_first == 0
+  router = router_of(moe)  # the MoeLayer's router under this gin config
+  assert isinstance(router, TokenChoiceRouter)
+  assert (router.batch_prioritized, router.jitter_noise, router.dropless,
+          router.capacity_per_choice, router.priority) == (
+              False, 0.0, False, False, "choice_major")

@@ -29,6 +29,20 @@ def test_einsum_layer_matches_loop_reference(kind, train):
   assert float(aux["drop_fraction"]) == pytest.approx(dropped)
 
 
+@pytest.mark.parametrize("std", [None, 0.5])
+def test_router_weights_start_from_router_init_std(std):
+  # normal(router_init_std) (REFERENCE.md: normal(0.02), the default); 512 x 16
+  # draws put the sample std within 3% of it.
+  cfg = MoeConfig(num_experts=16) if std is None else MoeConfig(num_experts=16,
+                                                                router_init_std=std)
+  params = MoeLayer(cfg, "swiglu", 8).init(jax.random.PRNGKey(0),
+                                           jnp.zeros((1, 16, 512)), train=False)
+  w = np.asarray(nn.unbox(params["params"]["router"]["w"]))
+  assert w.shape == (512, 16) and w.dtype == np.float32
+  assert abs(float(w.mean())) < 0.1 * (std or 0.02)
+  assert float(w.std()) == pytest.approx(std or 0.02, rel=0.03)
+
+
 def test_no_drops_with_ample_capacity_and_renormalised_gates():
   cfg = MoeConfig(num_experts=4, top_k=2, group_size=32, capacity_factor_train=8.0,
                   renormalize_gates=True, router_init_std=1.0)

@@ -13,7 +13,8 @@ from openmoe_jax.moe import gates as gates_lib
 from openmoe_jax.moe import losses
 from openmoe_jax.moe.dispatch.einsum import combine_weights, dispatch_mask
 from openmoe_jax.moe.layer import MoeLayer, router_arguments
-from openmoe_jax.moe.routers import expert_capacity, routing_stats, top_k_capacity_routing
+from openmoe_jax.moe.routers import (Routing, expert_capacity, routing_stats, token_stats,
+                                     top_k_capacity_routing)
 from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter
 
 from moe_reference import (reference_gates, reference_token_capacity,
@@ -154,6 +155,29 @@ def test_routing_stats_drop_fraction_and_load():
   np.testing.assert_allclose(stats["expert_load"], [4 / 8, 3 / 8, 1 / 8])
   entropy = -np.sum(PROBS * np.log(PROBS), -1).mean()
   assert float(stats["router_entropy"]) == pytest.approx(entropy, rel=1e-5)
+
+
+@pytest.mark.parametrize("length,first,last", [
+    (4, 3 / 4, 1 / 4),  # quarter = 1 position: rows 0, 4 and rows 3, 7
+    (2, 1 / 2, 1 / 8),  # 2 // 4 = 0, still 1 position: even rows and odd rows
+])
+def test_token_stats_quarters_of_short_sequences(length, first, last):
+  # One group of 8 tokens, 2 choices each; the group holds 8 / length sequences.
+  dropped_gsj = np.array([[[1, 0], [0, 0], [0, 0], [0, 1],
+                           [1, 1], [0, 0], [1, 0], [0, 0]]], bool)
+  routing = Routing(expert_index=jnp.zeros((1, 8, 2), jnp.int32),
+                    slot=jnp.zeros((1, 8, 2), jnp.int32),
+                    kept=jnp.asarray(~dropped_gsj),
+                    gates=jnp.zeros((1, 8, 2)), capacity=8)
+  stats = token_stats(routing, jnp.full((1, 8, 2), 0.5), jnp.asarray(dropped_gsj),
+                      length)
+  assert float(stats["drop_fraction"]) == pytest.approx(5 / 16)
+  assert float(stats["drop_fraction_first_quarter"]) == pytest.approx(first)
+  assert float(stats["drop_fraction_last_quarter"]) == pytest.approx(last)
+  assert float(stats["no_expert_fraction"]) == pytest.approx(1 / 8)  # token 4
+  assert float(stats["experts_per_token_mean"]) == pytest.approx(11 / 8)
+  assert float(stats["experts_per_token_min"]) == 0
+  assert float(stats["experts_per_token_max"]) == 2
 
 
 def test_groups_route_independently():

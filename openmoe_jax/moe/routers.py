@@ -176,8 +176,8 @@ class RouterLogits(nn.Module):
   """
 
   num_experts: int
-  init_std: float = 0.02
-  num_shared: int = 0
+  init_std: float  # MoeConfig.router_init_std
+  num_shared: int
 
   @nn.compact
   def __call__(self, x_gsd: jax.Array) -> jax.Array:
