@@ -50,8 +50,8 @@ from openmoe_jax.layers.mlp import gated_hidden
 class ChunkSizes(NamedTuple):
   """Rows per product: `big` for the bulk, down to `small` (powers of two)."""
 
-  big: int = 128
-  small: int = 16
+  big: int
+  small: int
 
 
 class ExpertRows(NamedTuple):
