@@ -218,6 +218,21 @@ def test_calibration_matmul_per_platform():
   assert flops.calibration(3e14, "bfloat16", gpu) is None  # given in gin
 
 
+def test_a_known_tpu_takes_its_spec_sheet_and_an_unknown_one_is_measured():
+  v5e = types.SimpleNamespace(platform="tpu", device_kind="TPU v5 lite")
+  assert flops.calibration(None, "bfloat16", v5e) is None
+  assert flops.resolve_peak_flops(None, "bfloat16", v5e) == (
+      197e12, "the TPU v5 lite spec sheet")  # Cloud TPU v5e: 197 TFLOP/s bf16
+  unknown = types.SimpleNamespace(platform="tpu", device_kind="TPU v99")
+  calibrate = flops.calibration(None, "bfloat16", unknown)
+  assert calibrate.func is flops.measured_matmul_peak_flops
+  assert calibrate.keywords["device"] is unknown
+  cpu = types.SimpleNamespace(platform="cpu", device_kind="TPU v4")  # kind ignored
+  assert flops.calibration(None, "float32", cpu) is not None
+  # Any positive peak given in gin is taken as it is.
+  assert flops.resolve_peak_flops(0.5, "float32", v5e) == (0.5, "train.peak_flops_per_sec")
+
+
 def test_peak_calibration_and_sources():
   measured = flops.measured_matmul_peak_flops(jnp.float32, size=256)
   assert math.isfinite(measured) and measured > 0
