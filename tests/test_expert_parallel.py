@@ -19,6 +19,7 @@ from openmoe_jax.config import ModelConfig, MoeConfig
 from openmoe_jax.model import Decoder
 from openmoe_jax.moe.dispatch import (AllToAllDispatcher, EinsumDispatcher,
                                       RaggedAllToAllDispatcher, SortDispatcher)
+from openmoe_jax.moe.dispatch.primitives import ExpertMesh, current_expert_mesh
 from openmoe_jax.moe.dispatch.ragged_all_to_all import dense_ragged_all_to_all
 from openmoe_jax.objectives import CausalLm
 from openmoe_jax.trainer import init_train_state, make_train_step
@@ -70,6 +71,25 @@ def test_all_to_all_dispatcher_uses_all_to_all_inside_shard_map():
   hlo = _compiled_step_hlo(AllToAllDispatcher(), (1, 1, 8, 1))
   # Forward (to the experts, back) and the transposes in the backward pass.
   assert plan.count_collectives(hlo)["all-to-all"] >= 4
+
+
+def test_expert_mesh_is_found_from_two_expert_devices_on():
+  def found(num_groups, num_experts, **degrees):
+    with partitioning.activate(partitioning.make_mesh(**degrees)):
+      return current_expert_mesh(num_groups, num_experts)
+
+  # The rules: experts over "expert", token groups over the batch axes and "expert",
+  # expert hidden units over "tensor".
+  assert found(8, 8, data=4, expert=2) == ExpertMesh(
+      ("data", "expert"), ("expert",), (), 2)  # axes of one device are left out
+  assert found(8, 8, data=2, expert=2, tensor=2) == ExpertMesh(
+      ("data", "expert"), ("expert",), ("tensor",), 2)
+  assert found(8, 8, data=1, expert=8).expert_size == 8
+  assert found(8, 8, data=8) is None  # experts whole on every device
+  assert found(4, 8, data=4, expert=2) is None  # 4 groups over 8 devices: no split
+  assert found(12, 8, data=4, expert=2) is None  # nor 12
+  with pytest.raises(ValueError, match="6 experts do not split over 4 devices"):
+    found(8, 6, data=2, expert=4)
 
 
 def test_dense_exchange_matches_the_ragged_all_to_all_semantics():

@@ -157,10 +157,10 @@ def test_counts_match_the_compiled_forward_and_gradient():
   logits = lambda p, x: model.apply({"params": p}, x)[0]
   loss = lambda p, x: optax.softmax_cross_entropy_with_integer_labels(
       logits(p, x), x).mean()
-  for fn, train in ((logits, False), (jax.value_and_grad(loss), True)):
-    analytic = flops.model_flops_per_token(cfg, 128, train=train)["total"] * tokens.size
+  for fn, training in ((logits, False), (jax.value_and_grad(loss), True)):
+    analytic = flops.model_flops_per_token(cfg, 128, train=training)["total"] * tokens.size
     ratio = _compiled_flops(fn, params, tokens) / analytic
-    assert 1.0 <= ratio <= 1.05, (train, ratio)
+    assert 1.0 <= ratio <= 1.05, (training, ratio)
 
 
 def test_mfu_arithmetic():
