@@ -220,6 +220,28 @@ def test_jitter_noise_needs_an_rng_in_training_only():
   assert not np.allclose(noisy[0], plain.apply(params, x_btd, train=True)[0])
 
 
+def test_jitter_scales_the_router_input_by_uniform_noise_around_one():
+  """flaxformer's (and ST-MoE's) jitter: the router sees x * U(1 - eps, 1 + eps),
+  one draw per element. With x = 1 and the identity as router weights the logits
+  are the draws themselves: 2048 of them span [0.5, 1.5] with mean 1 (x / u would
+  reach 2 and average ln 3 = 1.10)."""
+  eps = 0.5
+  cfg = MoeConfig(num_experts=4, top_k=2, group_size=512,
+                  router=TokenChoiceRouter(jitter_noise=eps))
+  layer = MoeLayer(cfg, "swiglu", 12)
+  x_btd = jnp.ones((2, 256, 4))
+  params = nn.unbox(layer.init(jax.random.PRNGKey(1), x_btd, train=False))
+  params["params"]["router"]["w"] = jnp.eye(4)
+  _, state = layer.apply(params, x_btd, train=True, rngs={"jitter": jax.random.PRNGKey(2)},
+                         capture_intermediates=lambda mdl, _: mdl.name == "router",
+                         mutable=["intermediates"])
+  u = np.asarray(state["intermediates"]["router"]["__call__"][0]).ravel()
+  assert u.size == 2048
+  assert u.min() >= 1 - eps and u.max() <= 1 + eps
+  assert u.min() < 1 - eps + 0.01 and u.max() > 1 + eps - 0.01
+  assert abs(u.mean() - 1.0) < 0.03  # the mean's std: 0.5 / sqrt(3 x 2048) = 0.0064
+
+
 def test_router_z_loss_covers_the_gated_shared_experts_logits():
   """ST-MoE's z-loss is over every router logit: with jointly gated shared experts
   that includes their columns, mean over tokens of logsumexp(x [w | w_shared])^2."""
