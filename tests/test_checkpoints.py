@@ -64,6 +64,18 @@ def test_interval_force_and_keep_last_k(tmp_path):
     assert position == {"step": 6}
 
 
+def test_defaults_save_every_1000_steps_and_keep_three(tmp_path):
+  state = {"w": jnp.zeros((2,))}
+  with checkpoints.Checkpointer(tmp_path) as ckpt:
+    assert [s for s in (1, 999, 1000, 1001, 2000) if ckpt.is_save_due(s)] == [1000, 2000]
+    for step in (1, 2, 3, 4):
+      assert ckpt.save(step, state, force=True)
+    ckpt.wait_until_finished()
+    assert ckpt.all_steps() == [2, 3, 4]
+  with pytest.raises(ValueError, match="save_every_steps must be >= 1, got 0"):
+    checkpoints.Checkpointer(tmp_path, save_every_steps=0)
+
+
 def test_restore_without_checkpoint_raises(tmp_path):
   with checkpoints.Checkpointer(tmp_path) as ckpt:
     with pytest.raises(FileNotFoundError):

@@ -6,6 +6,7 @@ import errno
 import glob
 import os
 import sys
+import time
 import types
 
 import gin
@@ -185,8 +186,12 @@ def test_every_checkpoint_damaged_raises_never_starts_from_scratch(tmp_path):
     with pytest.raises(checkpoints.CheckpointDamagedError) as error:
       ckpt.restore()
   assert [s for s, _, _ in error.value.damaged] == [2, 1]
+  assert error.value.step == 1  # the last one tried
   for step in (1, 2):
     assert os.path.join(model_dir, "checkpoints", str(step)) in str(error.value)
+  # Fallback was on: the advice is about the storage, not about the setting.
+  assert "none of the 2 checkpoints" in str(error.value)
+  assert "restore_fallback" not in str(error.value)
   assert tree_digest(model_dir) == before
 
 
@@ -194,9 +199,27 @@ def test_explicit_step_never_falls_back(tmp_path):
   model_dir = _saved(tmp_path)
   _truncate_array_data(os.path.join(model_dir, "checkpoints", "2"))
   with checkpoints.Checkpointer(model_dir, 1, None, print_fn=lambda m: None) as ckpt:
-    with pytest.raises(checkpoints.CheckpointDamagedError):
+    with pytest.raises(checkpoints.CheckpointDamagedError) as error:
       ckpt.restore(2)
+    assert error.value.step == 2
+    assert "restore it from a backup or move it away" in str(error.value)
+    assert "restore_fallback" not in str(error.value)
     _assert_state_of(ckpt.restore(3)[0], 3)
+
+
+def test_a_step_damaged_twice_is_set_aside_twice_under_two_names(tmp_path):
+  """Step 3 damaged, set aside, saved again and damaged again, three times: the
+  copies go to damaged_checkpoints/3, 3.1 and 3.2 (all kept for inspection)."""
+  model_dir = _saved(tmp_path)
+  aside = os.path.join(model_dir, checkpoints.DAMAGED_DIR)
+  for round_ in range(3):
+    _truncate_array_data(os.path.join(model_dir, "checkpoints", "3"))
+    with checkpoints.Checkpointer(model_dir, 1, None, print_fn=lambda m: None) as ckpt:
+      _assert_state_of(ckpt.restore()[0], 2)
+      assert ckpt.save(3, _state(3), {"train_batches": 3})
+    assert sorted(os.listdir(aside)) == ["3", "3.1", "3.2"][:round_ + 1]
+  with checkpoints.Checkpointer(model_dir, 1, None) as ckpt:
+    _assert_state_of(ckpt.restore()[0], 3)
 
 
 def test_changed_shape_is_not_taken_for_damage(tmp_path):
@@ -255,6 +278,28 @@ def test_a_mismatch_names_the_parameter_before_its_optimizer_moments(tmp_path):
   assert str(error.value).index("params/w:") < str(error.value).index("opt_state/mu/w:")
 
 
+def test_a_mismatch_message_shows_three_arrays_and_counts_the_rest(tmp_path):
+  """All mismatches are in `.mismatches`; the message names the first three."""
+  narrow = {f"w{i}": jnp.zeros((2, 3)) for i in range(5)}
+  with checkpoints.Checkpointer(tmp_path, 1, None) as ckpt:
+    assert ckpt.save(1, narrow, {"train_batches": 1})
+  wide = {f"w{i}": jnp.zeros((2, 4)) for i in range(5)}
+  with checkpoints.Checkpointer(tmp_path, 1, None, print_fn=lambda m: None) as ckpt:
+    with pytest.raises(checkpoints.CheckpointMismatchError) as error:
+      ckpt.restore(abstract_state=jax.eval_shape(lambda: wide))
+  assert len(error.value.mismatches) == 5
+  message = str(error.value)
+  assert [f"w{i}:" in message for i in range(5)] == [True] * 3 + [False] * 2
+  assert "(and 2 more)" in message
+  for changed, more in ((4, "(and 1 more)"), (3, None)):
+    model = dict(narrow, **{f"w{i}": wide[f"w{i}"] for i in range(changed)})
+    with checkpoints.Checkpointer(tmp_path, 1, None, print_fn=lambda m: None) as ckpt:
+      with pytest.raises(checkpoints.CheckpointMismatchError) as error:
+        ckpt.restore(abstract_state=jax.eval_shape(lambda: model))
+    assert len(error.value.mismatches) == changed
+    assert (more in str(error.value)) if more else "more)" not in str(error.value)
+
+
 def test_partial_saves_are_ignored_then_removed(tmp_path):
   model_dir = _saved(tmp_path, steps=(1, 2))
   root = os.path.join(model_dir, "checkpoints")
@@ -270,11 +315,15 @@ def test_partial_saves_are_ignored_then_removed(tmp_path):
     assert sorted(os.path.basename(p) for p in removed) == [
         "3.orbax-checkpoint-tmp", "4.orbax-checkpoint-tmp-1700000000"]
     assert sorted(os.listdir(root)) == ["1", "2"]
+    assert ckpt.remove_partial_saves() == []
     assert ckpt.save(3, _state(3), {"train_batches": 3})
     assert ckpt.save(4, _state(4), {"train_batches": 4})
   with checkpoints.Checkpointer(model_dir, 1, None) as ckpt:
     assert ckpt.all_steps() == [1, 2, 3, 4]
     _assert_state_of(ckpt.restore()[0], 4)
+  with checkpoints.Checkpointer(tmp_path / "gone", 1, None) as ckpt:
+    os.rmdir(ckpt.directory)  # nothing saved yet; deleted by hand
+    assert ckpt.remove_partial_saves() == []
 
 
 # ------------------------------------------------------------- storage faults
@@ -285,6 +334,8 @@ def test_check_writable_creates_the_directories(tmp_path):
   checkpoints.check_writable(str(model_dir))
   assert os.listdir(model_dir) == ["checkpoints"]
   assert os.listdir(model_dir / "checkpoints") == []
+  checkpoints.check_writable(str(model_dir))  # a resumed run: both exist already
+  assert os.listdir(model_dir) == ["checkpoints"]
 
 
 def test_unwritable_model_dir_under_a_file(tmp_path):
@@ -344,6 +395,51 @@ def test_failed_background_save_raises_and_keeps_previous(tmp_path, monkeypatch,
     with checkpoints.Checkpointer(model_dir, 1, keep=2) as again:
       assert again.all_steps() == [2, 5]
       _assert_state_of(again.restore()[0], 5)
+
+
+def test_a_failed_background_save_surfaces_at_the_next_save_that_is_not_due(
+    tmp_path, monkeypatch):
+  """A forced save that fails in the background is reported by the next call to
+  `save` once the write has ended, due or not (a trainer calls save every step)."""
+  model_dir = _saved(tmp_path, steps=(1, 2))
+  ckpt = checkpoints.Checkpointer(model_dir, 10, keep=2)
+  _fail_finalize(monkeypatch)
+  assert ckpt.save(3, _state(3), {"train_batches": 3}, force=True)
+  deadline = time.time() + 60
+  while ckpt.saving_in_progress() and time.time() < deadline:
+    time.sleep(0.05)
+  assert not ckpt.saving_in_progress() and not ckpt.is_save_due(4)
+  with pytest.raises(checkpoints.CheckpointSaveError) as error:
+    ckpt.save(4, _state(4), {"train_batches": 4})
+  assert error.value.step == 3 and "No space left on device" in str(error.value)
+  monkeypatch.undo()
+  assert not ckpt.save(5, _state(5), {"train_batches": 5})  # reported once
+  ckpt.close()
+  assert checkpoints.Checkpointer(model_dir, 10, keep=2).all_steps() == [1, 2]
+
+
+@pytest.mark.parametrize("given", ["argument", "environment"])
+def test_the_save_delay_hook_holds_each_save_partial_for_its_delay(
+    tmp_path, monkeypatch, given):
+  """The fault-injection hook the kill -9 test relies on: with a delay (the
+  argument, or the environment variable when the argument is 0) a save stays a
+  partial `<step>.orbax-checkpoint-tmp*` folder for that long, then commits."""
+  delay = 1.0
+  if given == "environment":
+    monkeypatch.setenv(checkpoints.DEBUG_SAVE_DELAY_ENV, str(delay))
+  root = tmp_path / "checkpoints"
+  start = time.monotonic()
+  with checkpoints.Checkpointer(tmp_path, 1, None, debug_save_delay_s=(
+      delay if given == "argument" else 0.0)) as ckpt:
+    assert ckpt.save(1, _state(1), {"train_batches": 1})
+    names = os.listdir(root)
+    assert "1" not in names and any(
+        n.startswith("1.") and checkpoints.TMP_MARKER in n for n in names), names
+    assert ckpt.saving_in_progress()
+    ckpt.wait_until_finished()
+    assert time.monotonic() - start >= delay
+    assert os.listdir(root) == ["1"]
+    _assert_state_of(ckpt.restore()[0], 1)
 
 
 def test_failed_synchronous_save_raises_and_keeps_previous(tmp_path, monkeypatch):
