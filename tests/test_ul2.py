@@ -102,9 +102,10 @@ def test_span_corruption_statistics_and_reconstruction(vocab, name):
 
 
 # (noise density, mean span) of the span-corruption denoisers in OpenMoE's mixture,
-# plus (0.15, 64) to cover a long span at low density.
+# plus (0.15, 64) to cover a long span at low density and (0.9, 64), where T5's
+# clamp of the noise to length - 1 binds (lengths 2, 3 and 4).
 SPAN_PAIRS = ((0.15, 3.0), (0.15, 8.0), (0.5, 3.0), (0.5, 8.0), (0.5, 64.0),
-              (0.15, 64.0))
+              (0.15, 64.0), (0.9, 64.0))
 
 
 def _t5_span_counts_n(lengths_n, noise_density, mean_span):
