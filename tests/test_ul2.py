@@ -307,6 +307,20 @@ def test_prefix_lm_piece_fills_the_inputs_when_they_bind():
   assert ul2.example_lengths(d, 64, 1) == (64, 64)
 
 
+def test_the_shortest_piece_and_a_vocabulary_without_sentinels():
+  """Two tokens (one input, one target) is the shortest piece and is returned when
+  nothing longer fits; one token less of room is a clear error. A prefix LM needs
+  no sentinels, so a vocabulary without them still serves it; span corruption
+  does not."""
+  d = DENOISERS["prefix_lm"]
+  assert ul2.piece_length(d, {"inputs": 1, "targets": 2}, 0, 100) == 2
+  assert ul2.piece_length(d, {"inputs": 64, "targets": 1024}, 1, 0) == 64
+  with pytest.raises(ValueError, match="too short"):
+    ul2.piece_length(d, {"inputs": 1, "targets": 2}, 1, 100)
+  with pytest.raises(ValueError, match="too short"):
+    ul2.piece_length(DENOISERS["span3_r15"], {"inputs": 64, "targets": 64}, 1, 0)
+
+
 def test_mode_ids_fall_back_to_text():
   class NoPieces:
     tokenizer = None
