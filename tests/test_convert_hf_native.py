@@ -18,7 +18,7 @@ from openmoe_jax.convert import hf_native
 from openmoe_jax.convert.hf_experts import stack_reader
 from openmoe_jax.convert.hf_native import (GLM4_MOE, MIXTRAL, QWEN3_MOE,
                                            export_hf_tensors, import_hf_tensors)
-from openmoe_jax.convert.layout import ConversionError
+from openmoe_jax.convert.layout import ConversionError, Layout, Rule, import_tensors
 from openmoe_jax.model import Decoder
 from openmoe_jax.moe.routers_expert_choice import ExpertChoiceRouter
 from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter
@@ -242,6 +242,20 @@ def test_broken_expert_lists_and_nonzero_selection_bias_are_refused():
     load(dict(tensors, **{bias: np.ones(4, np.float32)}))
   with pytest.raises(ConversionError, match="no tensor 'model.layers.2.mlp.gate.weight'"):
     load({n: a for n, a in tensors.items() if n != "model.layers.2.mlp.gate.weight"})
+
+
+def test_a_rule_for_a_parameter_the_model_lacks_is_a_conversion_error():
+  """A layout that names a parameter missing from the model's tree (absent, or
+  below a leaf) is refused by name, not with a KeyError or IndexError."""
+  shapes = {"a": jax.ShapeDtypeStruct((2,), jnp.float32),
+            "x": jax.ShapeDtypeStruct((3,), jnp.float32)}
+  read = lambda name: np.ones(2 if name == "a" else 3, np.float32)
+  for ours, shown in ((("y",), "y"), (("x", "b"), "x.b")):
+    layout = Layout("toy", lambda cfg, ours=ours: [Rule("a", ("a",)), Rule("b", ours)],
+                    lambda cfg, i, sparse: [])
+    with pytest.raises(ConversionError, match=f"'b' to parameter {shown}, which this "
+                       "gin model does not have"):
+      import_tensors(read, ["a", "b"], MIXTRAL_CFG, layout, shapes)
 
 
 def test_per_expert_tensors_stack_in_expert_number_order_past_ten():
