@@ -115,9 +115,13 @@ def test_round_trip_is_bit_exact(name):
   layout, cfg, _, _ = CASES[name]
   params = _random_params(cfg)
   tensors = dict(export_hf_tensors(params, cfg, layout))
+  messages = []
   back = import_hf_tensors(tensors.__getitem__, list(tensors), cfg, layout,
-                           _shapes(cfg))
+                           _shapes(cfg), progress=messages.append)
   _assert_trees_equal(back, jax.tree.map(np.asarray, params))
+  # One progress line per layer, in depth order.
+  assert messages == [f"  layer {i}/{cfg.num_layers}"
+                      for i in range(1, cfg.num_layers + 1)]
 
 
 def test_unscanned_layers_export_the_same_tensors():
