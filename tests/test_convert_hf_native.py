@@ -250,7 +250,8 @@ def test_broken_expert_lists_and_nonzero_selection_bias_are_refused():
 
 def test_a_rule_for_a_parameter_the_model_lacks_is_a_conversion_error():
   """A layout that names a parameter missing from the model's tree (absent, or
-  below a leaf) is refused by name, not with a KeyError or IndexError."""
+  below a leaf) is refused by name, not with a KeyError or IndexError; one that
+  leaves a parameter unfilled too."""
   shapes = {"a": jax.ShapeDtypeStruct((2,), jnp.float32),
             "x": jax.ShapeDtypeStruct((3,), jnp.float32)}
   read = lambda name: np.ones(2 if name == "a" else 3, np.float32)
@@ -260,6 +261,10 @@ def test_a_rule_for_a_parameter_the_model_lacks_is_a_conversion_error():
     with pytest.raises(ConversionError, match=f"'b' to parameter {shown}, which this "
                        "gin model does not have"):
       import_tensors(read, ["a", "b"], MIXTRAL_CFG, layout, shapes)
+  # And a parameter that no rule fills: the layout cannot carry the model.
+  layout = Layout("toy", lambda cfg: [Rule("a", ("a",))], lambda cfg, i, sparse: [])
+  with pytest.raises(ConversionError, match="'toy' has no tensor for parameter x:"):
+    import_tensors(read, ["a"], MIXTRAL_CFG, layout, shapes)
 
 
 def test_per_expert_tensors_stack_in_expert_number_order_past_ten():
