@@ -194,6 +194,20 @@ def test_prefix_lm_split(vocab):
   assert min(shares) < 0.15 and max(shares) > 0.85  # split point is uniform
 
 
+def test_prefix_split_below_half_density_follows_t5():
+  """t5's random_prefix_noise_mask: inputs uniform over [round((1 - 2r)(n - 1)),
+  n - 1] (at least 1). At r = 0.25 and n = 101 that is [50, 100], mean target
+  share about r; at OpenMoE's r = 0.5 the lower end is 1."""
+  split = tf.function(lambda n, r, seed: ul2.random_prefix_split(n, r, seed),
+                      reduce_retracing=True)
+  draws = np.array([int(split(101, 0.25, tf.constant([s, 7]))) for s in range(300)])
+  assert draws.min() >= 50 and draws.max() <= 100
+  assert draws.min() <= 52 and draws.max() >= 98  # spans the whole range
+  assert abs(np.mean(101 - draws) / 101 - 0.25) < 0.03
+  half = np.array([int(split(101, 0.5, tf.constant([s, 7]))) for s in range(300)])
+  assert half.min() >= 1 and half.min() <= 5
+
+
 def test_mixture_rates_and_realised_denoiser_shares(vocab):
   pipeline.tasks.register_tasks()
   mix = seqio.get_mixture_or_task("local_code_ul2")
