@@ -18,10 +18,11 @@ from openmoe_jax.config import ModelConfig, MoeConfig
 from openmoe_jax.convert import params_export
 from openmoe_jax.convert.hf_io import (INDEX, SafetensorsReader, write_safetensors,
                                       write_tokenizer)
-from openmoe_jax.convert.openmoe import openmoe_hf_config
+from openmoe_jax.convert.openmoe import moe_interval, openmoe_hf_config
 from openmoe_jax.convert.t5x_reader import find_checkpoint_dir
 from openmoe_jax.data import pipeline
 from openmoe_jax.model import Decoder
+from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter
 from openmoe_jax.trainer import TrainState
 from openmoe_numpy_forward import openmoe_logits
 from t5x_format import write_t5x_checkpoint
@@ -334,6 +335,29 @@ def test_openmoe_hf_config_carries_each_router_setting_under_its_own_field():
   assert config["router_min_capacity"] == 3
   assert config["router_topk"] == 2 and config["num_experts"] == E
   assert config["moe_layer_interval"] == INTERVAL
+  # The port drops tokens past capacity unless told not to: dropless routing says so.
+  assert config["router_drop_tks"] is True
+  dropless = cfg.replace(moe=moe.replace(router=TokenChoiceRouter(dropless=True)))
+  assert openmoe_hf_config(dropless)["router_drop_tks"] is False
+
+
+@pytest.mark.parametrize("layers,interval", [
+    # (sparse_interval, num_layers) of OpenMoE's presets: Base and 34B every 4th
+    # layer, 8B every 6th (ColossalAI's moe_layer_interval).
+    ((4, 12), 4), ((6, 24), 6), ((1, 3), 1), ("DMDM", 2), ("DDDMDDDM", 4), ("MMM", 1),
+    # Not OpenMoE's layout: no k for which layer i is MoE iff (i + 1) % k == 0.
+    ("DDDD", None), ((0, 4), None), ("DMDD", None), ("MDMD", None),
+    ("DDDMDDDD", None), ("DMDMM", None), ("DDMDM", None)])
+def test_moe_interval_is_openmoes_every_kth_layer_or_none(layers, interval):
+  if isinstance(layers, str):
+    cfg = ModelConfig(num_layers=len(layers), layer_pattern=layers)
+  else:
+    cfg = ModelConfig(num_layers=layers[1], sparse_interval=layers[0])
+  assert moe_interval(cfg) == interval
+  if interval:  # the port's rule, written out, gives back our layers
+    assert cfg.sparse_layers() == tuple((i + 1) % interval == 0
+                                        for i in range(cfg.num_layers))
+    assert openmoe_hf_config(cfg)["moe_layer_interval"] == interval
 
 
 def test_the_newest_t5x_checkpoint_is_found_by_step_number(tmp_path):

@@ -29,8 +29,8 @@ MIXTRAL_CFG = ModelConfig(
     mlp_kind="swiglu", sparse_interval=1, rope_base=5e5, norm_eps=1e-5,
     moe=MoeConfig(num_experts=4, top_k=2, expert_d_ff=16, renormalize_gates=True,
                   residual_mlp=False, router=DROPLESS))
-QWEN3_CFG = MIXTRAL_CFG.replace(
-    num_layers=4, layer_pattern="DMDM", qk_norm=True, rope_base=1e4,
+QWEN3_CFG = MIXTRAL_CFG.replace(  # an MoE layer at an even index: decoder_sparse_step 1
+    num_layers=4, layer_pattern="DMMD", qk_norm=True, rope_base=1e4,
     moe=MIXTRAL_CFG.moe.replace(renormalize_gates=False))
 GLM4_CFG = MIXTRAL_CFG.replace(
     num_layers=3, layer_pattern="DMM", qk_norm=True,
@@ -287,3 +287,34 @@ def test_a_selection_bias_with_a_single_nonzero_entry_is_refused():
   with pytest.raises(ConversionError, match="e_score_correction_bias' is not zero"):
     import_hf_tensors(tensors.__getitem__, list(tensors), GLM4_CFG, GLM4_MOE,
                       _shapes(GLM4_CFG))
+
+
+@pytest.fixture(scope="module")
+def vocabulary_and_batch():
+  from openmoe_jax.data import pipeline  # pylint: disable=g-import-not-at-top
+  return (pipeline.vocabulary_for("local_text"),
+          next(pipeline.get_dataset("local_text", 16, 2, pack=False)))
+
+
+@pytest.mark.parametrize("name", sorted(CASES) + ["openmoe"])
+def test_config_special_tokens_are_our_data_pipelines_and_nothing_else_acts(
+    name, vocabulary_and_batch):
+  """generate() and tokenizers read bos/eos/pad from config.json: they must be the ids
+  our data uses (the vocabulary's pad and eos; bos = the id the feature converter
+  shifts in at each row's start), and a model trained here has no dropout."""
+  from openmoe_jax.convert.openmoe import openmoe_hf_config  # pylint: disable=g-import-not-at-top
+  if name == "openmoe":
+    config = openmoe_hf_config(MIXTRAL_CFG)
+  else:
+    config = CASES[name][3](CASES[name][1])
+  vocab, batch = vocabulary_and_batch
+  assert config["pad_token_id"] == vocab.pad_id
+  assert config["eos_token_id"] == vocab.eos_id
+  assert (batch["decoder_input_tokens"][:, 0] == config["bos_token_id"]).all()
+  assert (batch["decoder_input_tokens"][:, 1:] == batch["decoder_target_tokens"][:, :-1]
+          ).all()
+  dropouts = {k: v for k, v in config.items() if "dropout" in k or "jitter" in k}
+  assert dropouts and not any(dropouts.values()), dropouts
+  # Our head is its own parameter and no projection has a bias: transformers would
+  # tie lm_head to the embedding, or add biases, were these true.
+  assert config["tie_word_embeddings"] is False and config["attention_bias"] is False
