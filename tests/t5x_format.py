@@ -14,19 +14,26 @@ import tensorstore as ts
 from flax import serialization, traverse_util
 
 
-def _spec(name, array):
-  return {
+def _spec(name, array, gcs=False):
+  """t5x's `_get_spec`: a local run's spec holds the path in its kvstore; a gs://
+  run's names a dummy bucket in the kvstore and the path at the top level."""
+  spec = {
       "driver": "zarr",
       "dtype": array.dtype.name,
       "kvstore": {"driver": "file", "path": name.replace("/", ".")},
       "metadata": {"compressor": {"id": "gzip"}, "shape": list(array.shape),
                    "chunks": list(array.shape)},
   }
+  if gcs:
+    spec["kvstore"] = {"driver": "gcs", "bucket": "t5x-dummy-bucket"}
+    spec["path"] = name.replace("/", ".")
+  return spec
 
 
-def write_t5x_checkpoint(root, step, target_by_name, inline_below=16):
+def write_t5x_checkpoint(root, step, target_by_name, inline_below=16, gcs=False):
   """Writes `target_by_name` ({'decoder/layers_0/...': array}) as t5x step `step`
-  under `root`; returns the checkpoint_<step> folder."""
+  under `root` with the specs of a local run, or of a gs:// run when `gcs` (the
+  folders on disk are the same); returns the checkpoint_<step> folder."""
   directory = os.path.join(root, f"checkpoint_{step}")
   os.makedirs(directory)
   flat = {}
@@ -35,9 +42,10 @@ def write_t5x_checkpoint(root, step, target_by_name, inline_below=16):
     if array.size < inline_below:
       flat[tuple(name.split("/"))] = array
       continue
-    spec = _spec("target/" + name, array)
-    absolute = dict(spec, kvstore={"driver": "file",
-                                   "path": os.path.join(directory, spec["kvstore"]["path"])})
+    spec = _spec("target/" + name, array, gcs)
+    folder = _spec("target/" + name, array)["kvstore"]["path"]
+    absolute = dict(_spec("target/" + name, array),
+                    kvstore={"driver": "file", "path": os.path.join(directory, folder)})
     store = ts.open(absolute, create=True, open=False).result()
     store.write(array).result()
     flat[tuple(name.split("/"))] = spec

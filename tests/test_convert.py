@@ -16,6 +16,7 @@ from openmoe_jax.checkpoints import Checkpointer
 from openmoe_jax.cli import convert as convert_cli
 from openmoe_jax.config import ModelConfig, MoeConfig
 from openmoe_jax.convert import params_export
+from openmoe_jax.convert.layout import ConversionError
 from openmoe_jax.convert.hf_io import (INDEX, SafetensorsReader, write_safetensors,
                                       write_tokenizer)
 from openmoe_jax.convert.openmoe import moe_interval, openmoe_hf_config
@@ -172,6 +173,24 @@ def test_shape_mismatch_names_the_parameter_and_both_shapes(t5x_export, tmp_path
   assert not out.exists()
 
 
+def test_a_checkpoint_written_to_gcs_reads_like_a_local_one(t5x_export, tmp_path):
+  """t5x run on gs:// (as OpenMoE's were) writes specs with a dummy gcs bucket and the
+  array's folder at the spec's top level, not in its kvstore."""
+  weights, _, local = t5x_export
+  write_t5x_checkpoint(str(tmp_path / "ckpt"), 1000, weights, gcs=True)
+  out = str(tmp_path / "export")
+  _convert("from-t5x", f"--checkpoint={tmp_path / 'ckpt'}", f"--output={out}",
+           "--step=7", *GIN)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               params_export.restore(out), params_export.restore(local))
+  step_dir = tmp_path / "ckpt" / "checkpoint_1000"
+  shutil.rmtree(step_dir / "target.decoder.layers_0.mlp.wo.kernel")
+  with pytest.raises(ConversionError, match="layers_0/mlp/wo/kernel: its array folder .*"
+                     "target.decoder.layers_0.mlp.wo.kernel is missing"):
+    _convert("from-t5x", f"--checkpoint={tmp_path / 'ckpt'}",
+             f"--output={tmp_path / 'again'}", *GIN)
+
+
 def test_missing_array_folder_is_named(t5x_export, tmp_path, capsys):
   _, ckpt, _ = t5x_export
   broken = tmp_path / "broken"
@@ -316,6 +335,22 @@ def test_an_export_is_never_overwritten_and_needs_both_parts(tmp_path):
   shutil.copytree(out, params_only, ignore=shutil.ignore_patterns("export.json"))
   assert not params_export.is_params_export(str(meta_only))
   assert not params_export.is_params_export(str(params_only))
+
+
+def test_export_json_records_the_dtype_and_an_empty_output_folder_is_used(tmp_path):
+  """export.json says the dtype written: the parameters' own, or the one cast to; an
+  --output folder made beforehand (empty) is fine."""
+  params = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(3)}
+  as_is, cast = tmp_path / "as_is", tmp_path / "cast"
+  cast.mkdir()
+  params_export.save(str(as_is), {"w": params["w"]}, step=1, config_gin="", source="a")
+  params_export.save(str(cast), dict(params), step=2, config_gin="", source="b",
+                     dtype="bfloat16")
+  assert params_export.read_metadata(str(as_is))["dtype"] == "float32"
+  meta = params_export.read_metadata(str(cast))
+  assert meta["dtype"] == "bfloat16" and meta["num_params"] == 9 and meta["step"] == 2
+  assert {str(np.asarray(x).dtype) for x in jax.tree.leaves(
+      params_export.restore(str(cast)))} == {"bfloat16"}
 
 
 def test_openmoe_hf_config_carries_each_router_setting_under_its_own_field():

@@ -24,8 +24,10 @@ from openmoe_jax.moe.routers_expert_choice import ExpertChoiceRouter
 from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter
 
 DROPLESS = TokenChoiceRouter(dropless=True)
+# d_model differs from 2 * expert_d_ff: transformers' fused gate_up_proj [E, 2f, d]
+# splits on the right axis only.
 MIXTRAL_CFG = ModelConfig(
-    vocab_size=64, d_model=32, num_heads=2, head_dim=8, d_ff=24, num_layers=2,
+    vocab_size=64, d_model=40, num_heads=2, head_dim=8, d_ff=24, num_layers=2,
     mlp_kind="swiglu", sparse_interval=1, rope_base=5e5, norm_eps=1e-5,
     moe=MoeConfig(num_experts=4, top_k=2, expert_d_ff=16, renormalize_gates=True,
                   residual_mlp=False, router=DROPLESS))
@@ -209,10 +211,10 @@ def test_options_that_do_not_map_are_refused(name, change, option, takers):
 
 @pytest.mark.parametrize("name,change,parameter,shapes", [
     ("mixtral", {"expert_d_ff": 20}, "layers.0.moe.experts.wi_0",
-     ("(4, 16, 32)", "(4, 20, 32)")),
-    ("qwen3_moe", {"d_ff": 20}, "layers.0.mlp.wi_0", ("(24, 32)", "(20, 32)")),
+     ("(4, 16, 40)", "(4, 20, 40)")),
+    ("qwen3_moe", {"d_ff": 20}, "layers.0.mlp.wi_0", ("(24, 40)", "(20, 40)")),
     ("glm4_moe", {"shared_expert_d_ff": 48}, "layers.1.moe.shared_experts.wi_0",
-     ("(32, 32)", "(48, 32)")),
+     ("(32, 40)", "(48, 40)")),
 ])
 def test_a_shape_that_does_not_fit_names_the_parameter(name, change, parameter, shapes):
   layout, cfg, _, _ = CASES[name]
@@ -237,9 +239,11 @@ def test_broken_expert_lists_and_nonzero_selection_bias_are_refused():
   gap = {n: a for n, a in tensors.items() if ".experts.2." not in n}
   with pytest.raises(ConversionError, match="expert 2 is missing"):
     load(gap)
-  odd = dict(tensors, **{"model.layers.1.mlp.experts.3.up_proj.weight":
-                         np.zeros((8, 32), np.float32)})
-  with pytest.raises(ConversionError, match=r"experts.3.up_proj.weight.*\(8, 32\)"):
+  # Expert 1 differs: the message names it and expert 0's shape.
+  odd = dict(tensors, **{"model.layers.1.mlp.experts.1.up_proj.weight":
+                         np.zeros((8, 40), np.float32)})
+  with pytest.raises(ConversionError, match=r"experts.1.up_proj.weight' has shape "
+                     r"\(8, 40\), but .*experts.0.up_proj.weight' has \(16, 40\)"):
     load(odd)
   bias = "model.layers.2.mlp.gate.e_score_correction_bias"
   with pytest.raises(ConversionError, match="e_score_correction_bias' is not zero"):

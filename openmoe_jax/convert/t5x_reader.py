@@ -76,7 +76,10 @@ class T5xCheckpoint:
     leaf = self._leaves[name]
     if not _is_spec(leaf):
       return np.asarray(leaf, np.float32)
-    spec = _absolute_spec(self.directory, leaf)
+    try:
+      spec = _absolute_spec(self.directory, leaf)
+    except ConversionError as e:
+      raise ConversionError(f"parameter {name}: {e}") from None
     folder = spec["kvstore"]["path"]
     if not os.path.isdir(folder):
       raise ConversionError(f"parameter {name}: its array folder {folder} is missing")
@@ -89,11 +92,13 @@ class T5xCheckpoint:
 
 def _absolute_spec(directory: str, spec: Dict) -> Dict:
   """Returns a copy of a relative t5x TensorStore spec that reads from `directory`
-  with the local file driver (t5x writes gcs specs with a dummy bucket)."""
-  spec = {k: (dict(v) if isinstance(v, dict) else v) for k, v in spec.items()}
-  if "kvstore" in spec:
-    relative = spec["kvstore"].get("path", "")
-  else:  # tensorstore < 0.1.14 wrote the path at the top level
-    relative = spec.pop("path")
-  spec["kvstore"] = {"driver": "file", "path": os.path.join(directory, relative)}
+  with the local file driver. The array's folder is in the kvstore's path (a local
+  run), or at the spec's top level (a gs:// run, whose kvstore names a dummy gcs
+  bucket; and tensorstore < 0.1.14); tensorstore joins the two when both are set."""
+  spec = dict(spec)
+  kvstore = spec.pop("kvstore", None) or {}
+  parts = [p for p in (kvstore.get("path"), spec.pop("path", None)) if p]
+  if not parts:
+    raise ConversionError(f"its TensorStore spec names no array folder: {spec}")
+  spec["kvstore"] = {"driver": "file", "path": os.path.join(directory, *parts)}
   return spec
