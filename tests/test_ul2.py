@@ -283,6 +283,15 @@ def test_feature_converter_choice_and_gin(vocab):
       seqio.get_mixture_or_task("local_mix_ul2"), 256, False)
   assert isinstance(converter, seqio.PrefixLMFeatureConverter)
   assert lengths == {"inputs": 192, "targets": 64}
+  # The split's edges: one input token or one target token is a split; rounding to
+  # none of either is refused by name.
+  ul2_mix = seqio.get_mixture_or_task("local_mix_ul2")
+  for fraction, inputs in ((1 / 256, 1), (255 / 256, 255)):
+    assert pipeline.feature_converter(ul2_mix, 256, False, inputs_fraction=fraction)[
+        1] == {"inputs": inputs, "targets": 256 - inputs}
+  for fraction in (0.001, 0.999):
+    with pytest.raises(ValueError, match="leaves no inputs or no targets"):
+      pipeline.feature_converter(ul2_mix, 256, False, inputs_fraction=fraction)
   gin.bind_parameter("ul2_denoisers.denoisers",
                      [("prefix_lm", 1.0, 0.5, None, "[S2S]")])
   pipeline.tasks.register_tasks()
