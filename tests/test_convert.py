@@ -280,6 +280,31 @@ def test_exported_tokenizer_encodes_like_our_vocabulary(tmp_path):
     assert tokenizer.sp_model.decode(ids) == text
 
 
+def test_exported_tokenizer_keeps_the_dummy_prefix_of_a_t5_style_model(tmp_path):
+  """umT5's model (OpenMoE's tokenizer) adds a dummy prefix "▁" before the text; our
+  corpus model does not. Exported, transformers must keep it (legacy mode), or every
+  first word gets other ids than seqio gives it."""
+  import transformers  # pylint: disable=g-import-not-at-top
+  from sentencepiece import sentencepiece_model_pb2  # pylint: disable=g-import-not-at-top
+  from openmoe_jax.data import vocabulary as vocab_lib  # pylint: disable=g-import-not-at-top
+  corpus_vocab = vocab_lib.get_vocabulary()
+  with open(corpus_vocab.sentencepiece_model_file, "rb") as f:
+    proto = sentencepiece_model_pb2.ModelProto.FromString(f.read())
+  assert not proto.normalizer_spec.add_dummy_prefix
+  proto.normalizer_spec.add_dummy_prefix = True
+  model_file = tmp_path / "t5_style.model"
+  model_file.write_bytes(proto.SerializeToString())
+  vocab = vocab_lib.sentencepiece_vocabulary(str(model_file), corpus_vocab.extra_ids)
+  texts = ("import numpy as np", "return x", " leading space")
+  # The prefix is seen: the first word's pieces differ from the corpus model's.
+  assert any(vocab.encode(t) != corpus_vocab.encode(t) for t in texts)
+  (tmp_path / "hf").mkdir()
+  write_tokenizer(str(tmp_path / "hf"), vocab)
+  tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+  for text in texts:
+    assert tokenizer.encode(text, add_special_tokens=False) == vocab.encode(text), text
+
+
 @pytest.mark.slow
 def test_training_continues_from_a_params_export(tmp_path):
   """A params export is a MODEL_DIR openmoe-train starts from: its parameters, its
@@ -422,3 +447,7 @@ def test_safetensors_shards_stay_under_the_limit_and_the_index_sums_every_byte(
   reader = SafetensorsReader(str(tmp_path))
   for name, array in tensors:
     np.testing.assert_array_equal(reader.read(name), array)
+  # "At most" the limit: two tensors that fill a shard exactly share it.
+  files = write_safetensors(str(tmp_path / "exact"), iter(tensors), max_shard_bytes=800)
+  assert json.loads((tmp_path / "exact" / INDEX).read_text())["weight_map"] == {
+      "t0": first, "t1": first, "t2": second}
