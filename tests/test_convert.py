@@ -278,6 +278,11 @@ def test_exported_tokenizer_encodes_like_our_vocabulary(tmp_path):
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert ids == vocab.encode(text), text
     assert tokenizer.sp_model.decode(ids) == text
+  assert tokenizer.model_max_length == 256
+  # transformers' decode keeps spaces before punctuation (no clean-up), as ours does.
+  text = "f(a , b) ; x = y ! z ."
+  ids = tokenizer.encode(text, add_special_tokens=False)
+  assert tokenizer.decode(ids) == vocab.decode(ids) == text
 
 
 def test_exported_tokenizer_keeps_the_dummy_prefix_of_a_t5_style_model(tmp_path):
