@@ -452,7 +452,9 @@ def test_safetensors_shards_stay_under_the_limit_and_the_index_sums_every_byte(
   reader = SafetensorsReader(str(tmp_path))
   for name, array in tensors:
     np.testing.assert_array_equal(reader.read(name), array)
-  # "At most" the limit: two tensors that fill a shard exactly share it.
-  files = write_safetensors(str(tmp_path / "exact"), iter(tensors), max_shard_bytes=800)
+  # "At most" the limit: two tensors that fill a shard exactly share it, in the
+  # first shard and in the next.
+  four = tensors + [("t3", np.zeros((100,), np.float32))]
+  write_safetensors(str(tmp_path / "exact"), iter(four), max_shard_bytes=800)
   assert json.loads((tmp_path / "exact" / INDEX).read_text())["weight_map"] == {
-      "t0": first, "t1": first, "t2": second}
+      "t0": first, "t1": first, "t2": second, "t3": second}
