@@ -455,6 +455,15 @@ def test_safetensors_shards_stay_under_the_limit_and_the_index_sums_every_byte(
   # "At most" the limit: two tensors that fill a shard exactly share it, in the
   # first shard and in the next.
   four = tensors + [("t3", np.zeros((100,), np.float32))]
-  write_safetensors(str(tmp_path / "exact"), iter(four), max_shard_bytes=800)
+  said = []
+  write_safetensors(str(tmp_path / "exact"), iter(four), max_shard_bytes=800,
+                    progress=said.append)
+  assert said == ["  wrote shard 1 (0 MiB)", "  wrote shard 2 (0 MiB)"]
+  # Progress counts MiB: 2 MiB + 1 MiB tensors under a 2 MiB limit.
+  said = []
+  write_safetensors(str(tmp_path / "mib"), iter(
+      [("a", np.zeros((2 << 20,), np.uint8)), ("b", np.zeros((1 << 20,), np.uint8))]),
+                    max_shard_bytes=2 << 20, progress=said.append)
+  assert said == ["  wrote shard 1 (2 MiB)", "  wrote shard 2 (1 MiB)"]
   assert json.loads((tmp_path / "exact" / INDEX).read_text())["weight_map"] == {
       "t0": first, "t1": first, "t2": second, "t3": second}
