@@ -404,3 +404,37 @@ def test_a_log_window_averages_its_finite_steps_and_counts_the_skipped_ones():
   only = train_loop._mean_metrics([  # pylint: disable=protected-access
       {"loss": 5.0, skipped: 1.0}, {"loss": 7.0, skipped: 1.0}])
   assert only == {"loss": 6.0, skipped: 2.0}
+
+
+class _SavesInFlight:
+  """A checkpointer whose saves land on disk only when waited for (Orbax's
+  asynchronous saves); without `wait_until_finished` when `can_wait` is False."""
+
+  directory = "/ckpt"
+
+  def __init__(self, on_disk, in_flight, can_wait=True):
+    self.on_disk, self.in_flight = on_disk, in_flight
+    if can_wait:
+      self.wait_until_finished = lambda: setattr(self, "on_disk", self.in_flight)
+
+  def latest_step(self):
+    return self.on_disk
+
+
+@pytest.mark.parametrize("can_wait", [True, False])
+def test_a_diverged_run_names_the_checkpoint_its_save_in_flight_lands_as(can_wait):
+  """Steps 5 and 6 skipped (limit 2) while the save of step 5 is in flight: the
+  error names checkpoint 5 once the save finished (parameters after step 4), not
+  the 3 on disk when the limit was hit; a checkpointer that cannot wait names the
+  newest on disk."""
+  loop = train_loop.TrainLoop(lambda step: None, _SavesInFlight(3, 5, can_wait), None,
+                              print, 1, max_consecutive_skipped=2)
+  loop.consecutive_skipped = 2
+  with pytest.raises(TrainingDivergedError) as error:
+    loop._check_diverged(6)  # pylint: disable=protected-access
+  expected = 5 if can_wait else 3
+  assert error.value.checkpoint_step == expected
+  assert (f"the newest checkpoint on disk is /ckpt/{expected}, whose parameters are "
+          f"those after step {min(expected, 4)}") in str(error.value)
+  loop.consecutive_skipped = 1
+  loop._check_diverged(6)  # pylint: disable=protected-access  (under the limit)
