@@ -22,6 +22,7 @@ from openmoe_jax.convert.hf_io import (INDEX, SafetensorsReader, write_safetenso
 from openmoe_jax.convert.openmoe import moe_interval, openmoe_hf_config
 from openmoe_jax.convert.t5x_reader import find_checkpoint_dir
 from openmoe_jax.data import pipeline
+from openmoe_jax.data import vocabulary as vocab_lib
 from openmoe_jax.model import Decoder
 from openmoe_jax.moe.routers_token_choice import TokenChoiceRouter
 from openmoe_jax.trainer import TrainState
@@ -291,7 +292,6 @@ def test_exported_tokenizer_keeps_the_dummy_prefix_of_a_t5_style_model(tmp_path)
   first word gets other ids than seqio gives it."""
   import transformers  # pylint: disable=g-import-not-at-top
   from sentencepiece import sentencepiece_model_pb2  # pylint: disable=g-import-not-at-top
-  from openmoe_jax.data import vocabulary as vocab_lib  # pylint: disable=g-import-not-at-top
   corpus_vocab = vocab_lib.get_vocabulary()
   with open(corpus_vocab.sentencepiece_model_file, "rb") as f:
     proto = sentencepiece_model_pb2.ModelProto.FromString(f.read())
@@ -458,6 +458,8 @@ def test_safetensors_shards_stay_under_the_limit_and_the_index_sums_every_byte(
   said = []
   write_safetensors(str(tmp_path / "exact"), iter(four), max_shard_bytes=800,
                     progress=said.append)
+  assert json.loads((tmp_path / "exact" / INDEX).read_text())["weight_map"] == {
+      "t0": first, "t1": first, "t2": second, "t3": second}
   assert said == ["  wrote shard 1 (0 MiB)", "  wrote shard 2 (0 MiB)"]
   # Progress counts MiB: 2 MiB + 1 MiB tensors under a 2 MiB limit.
   said = []
@@ -465,5 +467,3 @@ def test_safetensors_shards_stay_under_the_limit_and_the_index_sums_every_byte(
       [("a", np.zeros((2 << 20,), np.uint8)), ("b", np.zeros((1 << 20,), np.uint8))]),
                     max_shard_bytes=2 << 20, progress=said.append)
   assert said == ["  wrote shard 1 (2 MiB)", "  wrote shard 2 (1 MiB)"]
-  assert json.loads((tmp_path / "exact" / INDEX).read_text())["weight_map"] == {
-      "t0": first, "t1": first, "t2": second, "t3": second}

@@ -436,5 +436,5 @@ def test_a_diverged_run_names_the_checkpoint_its_save_in_flight_lands_as(can_wai
   assert error.value.checkpoint_step == expected
   assert (f"the newest checkpoint on disk is /ckpt/{expected}, whose parameters are "
           f"those after step {min(expected, 4)}") in str(error.value)
-  loop.consecutive_skipped = 1
-  loop._check_diverged(6)  # pylint: disable=protected-access  (under the limit)
+  loop.consecutive_skipped = 1  # under the limit: no error
+  loop._check_diverged(6)  # pylint: disable=protected-access
