@@ -205,6 +205,60 @@ def test_peak_calibration_divides_a_rep_by_its_calls(monkeypatch):
   assert peak == pytest.approx(2 * 64 ** 3 / (1.0 / 4))
 
 
+def test_peak_calibration_stops_once_its_budget_is_spent(monkeypatch):
+  """A fake clock that only the matmuls advance, 0.5 s each: after the warm-up,
+  reps end 0.5, 1.0, 1.5 and 2.0 s into the timing; the default budget (1.5 s) is
+  passed, not only reached, after the 4th. The operands sit on the device asked for."""
+  clock, devices = [0.0], []
+
+  def slow_jit(fn):
+    def run(a, b):
+      clock[0] += 0.5
+      devices.append(a.devices() | b.devices())
+      return fn(a, b)
+    return run
+
+  monkeypatch.setattr(flops.jax, "jit", slow_jit)
+  monkeypatch.setattr(flops, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+  device = jax.devices()[-1]
+  assert device != jax.devices()[0]  # the tests emulate 8 CPU devices
+  peak = flops.measured_matmul_peak_flops(jnp.float32, size=64, device=device)
+  assert len(devices) == 1 + 4 and all(d == {device} for d in devices)
+  assert peak == 2 * 64 ** 3 / 0.5
+
+
+def test_a_calibrated_peak_keeps_its_highest_reading_and_a_given_one_stays():
+  readings = [1e8, 3e8, 2e8, 3e8]  # equal, higher, lower, equal to the highest
+  meter = flops.MfuMeter(1e6, 1e6, 1e8, 1, calibrate=lambda: readings.pop(0))
+  assert [meter.recalibrate() for _ in range(4)] == [False, True, False, False]
+  assert meter.peak_flops_per_sec == 3e8 and not readings
+  given = flops.MfuMeter(1e6, 1e6, 1e8, 1)  # a peak from gin is not measured again
+  assert not given.recalibrate() and given.peak_flops_per_sec == 1e8
+
+
+def test_the_mfu_meter_prints_its_peak_and_flops_per_token(monkeypatch):
+  """The capacity MoE counted by hand above (172800 model and 154368 hardware FLOPs
+  a token), its peak given in gin, then measured (a fake calibration)."""
+  moe = MoeConfig(num_experts=4, top_k=2, expert_d_ff=32, group_size=64,
+                  capacity_factor_train=1.25, min_capacity=4, residual_mlp=True)
+  cfg = _config(mlp_kind="openmoe_swiglu", layer_pattern="M", moe=moe)
+  mesh = partitioning.make_mesh(2)
+  lines = []
+  meter = flops.mfu_meter(cfg, T, 128, mesh, 2e9, lines.append)
+  flops_line = "model 0.17 MFLOP/token, hardware 0.15 MFLOP/token (training)"
+  assert lines == ["MFU peak: 2.0 GFLOP/s per device x 1 (train.peak_flops_per_sec); "
+                   + flops_line]
+  assert (meter.model_flops_per_token, meter.hardware_flops_per_token) == (172800, 154368)
+  assert (meter.peak_flops_per_sec, meter.num_devices, meter.calibrate) == (2e9, 1, None)
+  monkeypatch.setattr(flops, "measured_matmul_peak_flops", lambda *a, **k: 5e9)
+  lines.clear()
+  meter = flops.mfu_meter(cfg, T, 128, mesh, None, lines.append)
+  assert lines == ["MFU peak: 5.0 GFLOP/s per device x 1 (measured: fastest 1024x1024 "
+                   "float32 matmul on cpu; measured again at each evaluation, the highest "
+                   "kept); " + flops_line]
+  assert meter.peak_flops_per_sec == 5e9 and meter.calibrate() == 5e9
+
+
 def test_calibration_matmul_per_platform():
   """A GPU's calibration is 5 queued 8192-wide products a rep (a single 4096-wide
   one on an H200 times its launch too); the CPU's one 1024-wide product; the

@@ -267,11 +267,6 @@ def test_a_measured_peak_is_measured_again_after_each_evaluation_highest_kept():
       "MFU peak: 0.3 GFLOP/s per device, measured again (the highest reading counts)"]
 
 
-def test_a_given_peak_is_not_measured_again():
-  meter = flops.MfuMeter(1e6, 1e6, 1e8, 1)
-  assert not meter.recalibrate() and meter.peak_flops_per_sec == 1e8
-
-
 def _fresh_state():
   return TrainState(jnp.zeros((), jnp.int32), {}, ())
 
