@@ -62,6 +62,7 @@ def test_format_hms():
   assert metrics.format_hms(0) == "0:00:00"
   assert metrics.format_hms(3725.4) == "1:02:05"
   assert metrics.format_hms(27 * 3600 + 189) == "27:03:09"
+  assert (metrics.format_hms(3599), metrics.format_hms(3600)) == ("0:59:59", "1:00:00")
   assert metrics.format_hms(float("nan")) == "?:??:??"
 
 
@@ -83,6 +84,8 @@ def test_progress_printer_line_and_eta():
   assert line == ("step  200/1000 | loss 3.1416 | 12,346 tok/s | "
                   "elapsed 0:01:30 | eta 0:12:00")
   assert printer.line(100).endswith("eta ?:??:??")
+  now[0] += 2.0  # one step after the first line: 2 s/step for the 799 left
+  assert printer.line(201).endswith("eta 0:26:38")
 
 
 def test_progress_eta_leaves_out_the_first_windows_compilation():
@@ -138,3 +141,45 @@ def test_only_the_chief_touches_metrics_jsonl_and_remote_stores_rewrite_it(tmp_p
     logger.write(5, {"train/loss": 5.0})
   rows = [json.loads(l) for l in open(path)]
   assert [(r["step"], r["train/loss"]) for r in rows] == [(s, float(s)) for s in range(6)]
+
+
+def test_a_local_row_is_on_disk_once_written_in_a_new_nested_directory(tmp_path):
+  """A local metrics.jsonl gets each row at once (a killed run keeps every row
+  written); MODEL_DIR may be several directories that do not exist yet."""
+  model_dir = tmp_path / "runs" / "moe" / "1"
+  with metrics.MetricsLogger(str(model_dir)) as logger:
+    logger.write(7, {"train/loss": 1.0})
+    rows = (model_dir / metrics.JSONL_NAME).read_text().splitlines()
+    assert [json.loads(l) for l in rows] == [{"step": 7, "train/loss": 1.0}]
+
+
+class _RemoteFile:
+  """A metrics.jsonl in a store that cannot append (gs://): read_text and
+  write_text only; open() on its name fails."""
+
+  def __init__(self):
+    self.text = None
+
+  def exists(self):
+    return self.text is not None
+
+  def read_text(self):
+    return self.text
+
+  def write_text(self, text):
+    self.text = text
+
+  def __fspath__(self):
+    return "gs://bucket/run/metrics.jsonl"
+
+
+def test_a_remote_metrics_file_is_rewritten_whole_at_each_flush(tmp_path):
+  with metrics.MetricsLogger(str(tmp_path)) as logger:
+    remote = logger.jsonl_path = _RemoteFile()
+    logger._local = False  # pylint: disable=protected-access
+    logger.write(1, {"train/loss": 1.0})
+    assert not remote.exists()  # buffered until the flush
+    logger.flush()
+    logger.write(2, {"train/loss": 2.0})
+  assert remote.text == ('{"step": 1, "train/loss": 1.0}\n'
+                         '{"step": 2, "train/loss": 2.0}\n')
