@@ -138,3 +138,5 @@ def test_diffusion_bound_weights_batches_by_tokens_and_adds_their_variances(monk
   expected_keys = [np.asarray(jax.random.key_data(jax.random.PRNGKey(s))).tolist()
                    for s in (5, 6)]
   assert keys == expected_keys
+  with pytest.raises(ValueError, match="no target tokens"):
+    evaluate_lib.evaluate_diffusion(None, None, [], objective, mask_id=3, num_samples=7)
