@@ -123,6 +123,9 @@ def test_weighted_cross_entropy_matches_numpy_with_its_gradient():
   expected = (weights / weights.sum())[..., None] * (
       (1 + 2 * z * lse)[..., None] * softmax - onehot)
   np.testing.assert_allclose(np.asarray(grad), expected, rtol=1e-4, atol=1e-6)
+  default, _ = weighted_cross_entropy(jnp.asarray(logits), jnp.asarray(targets),
+                                      jnp.asarray(weights, jnp.float32))
+  assert float(default) == pytest.approx(ce, rel=1e-5)  # no z-loss unless asked
 
 
 def test_accuracy_counts_a_tie_for_the_largest_logit_as_wrong():

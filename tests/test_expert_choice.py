@@ -177,3 +177,19 @@ def test_moe_metrics_reduce_each_statistic_over_layers_as_named():
   assert m["moe/experts_per_token_max"] == 4.0
   assert m["moe/layer_3/drop_fraction"] == pytest.approx(0.3)
   assert m["moe/layer_1/expert_load_cv"] == pytest.approx(0.0)
+  assert m["moe/tokenwise_lb_loss"] == 0.0625
+  per_layer = {f"moe/layer_{n}/{name}" for n in (1, 3) for name in (
+      "drop_fraction", "drop_fraction_first_quarter", "drop_fraction_last_quarter",
+      "expert_load_cv")}
+  token_choice = {"moe/aux_loss", "moe/lb_loss", "moe/z_loss", "moe/drop_fraction",
+                  "moe/drop_fraction_first_quarter", "moe/drop_fraction_last_quarter",
+                  "moe/router_entropy", "moe/expert_load_cv"} | per_layer
+  expert_choice = {"moe/tokenwise_lb_loss", "moe/no_expert_fraction",
+                   "moe/experts_per_token_mean", "moe/experts_per_token_min",
+                   "moe/experts_per_token_max"}
+  assert set(m) == token_choice | expert_choice
+  # A token-choice router reports none of expert choice's statistics.
+  plain = {k: v for k, v in aux.items()
+           if k not in ("tokenwise_lb_loss", "no_expert_fraction")
+           and not k.startswith("experts_per_token")}
+  assert set(moe_metrics(plain, [1, 3])) == token_choice
