@@ -193,3 +193,8 @@ def test_moe_metrics_reduce_each_statistic_over_layers_as_named():
            if k not in ("tokenwise_lb_loss", "no_expert_fraction")
            and not k.startswith("experts_per_token")}
   assert set(moe_metrics(plain, [1, 3])) == token_choice
+  # Without model layer numbers, the MoE layers are counted from 0.
+  assert {k for k in moe_metrics(plain) if k.startswith("moe/layer_")} == {
+      k.replace("layer_1/", "layer_0/").replace("layer_3/", "layer_1/") for k in per_layer}
+  with pytest.raises(ValueError, match="1 layer numbers for 2 MoE layers"):
+    moe_metrics(plain, [3])
