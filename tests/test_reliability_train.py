@@ -98,6 +98,17 @@ def test_missing_eval_data_file_fails_before_compile(tmp_path, monkeypatch):
     train(print_fn=lambda *_: None)
 
 
+@pytest.mark.parametrize("starts", [(1,), (0, 3, 3), (0, 5, 2)])
+def test_stages_that_do_not_start_at_zero_and_increase_fail_before_compile(
+    tmp_path, monkeypatch, starts):
+  _configure(tmp_path / "run", 2)
+  _no_compile(monkeypatch)
+  stages = tuple(trainer.Stage(start, "local_mix") for start in starts)
+  with pytest.raises(ValueError, match="train.stages must start at step 0 and increase"):
+    train(stages=stages, print_fn=lambda *_: None)
+  assert not (tmp_path / "run").exists()
+
+
 # -- damaged checkpoints, changed configuration ---------------------------------------
 
 @pytest.fixture(scope="module")
@@ -151,6 +162,30 @@ def test_a_fresh_start_drops_every_row_of_the_earlier_run(three_steps, tmp_path)
   assert f"Dropped {len(old_rows)} metrics.jsonl row(s) past step 0" in "\n".join(lines)
   steps = [r["step"] for r in _rows(model_dir)]
   assert steps.count(0) == 1 and set(steps) == {0, 1}, steps
+
+def test_a_finished_run_launched_again_trains_nothing_and_keeps_its_rows(three_steps,
+                                                                          tmp_path):
+  model_dir = _copy(three_steps, tmp_path)
+  rows = _rows(model_dir)
+  _configure(model_dir, 3, ["train.checkpoint_every_steps = 1",
+                            "train.keep_checkpoints = 5"])
+  lines = []
+  summary = train(print_fn=lines.append)
+  assert ("Nothing to train: the run is at step 3 and TRAIN_STEPS is 3 (raise "
+          "--gin.TRAIN_STEPS to train further)") in lines
+  assert (summary["start_step"], summary["final_step"]) == (3, 3)
+  assert summary["tokens_per_sec"] is None  # no step ran
+  assert [l for l in lines if l.startswith("eval @ step")] == [
+      f"eval @ step 3: ce_loss {summary['last_eval_ce_loss']:.4f} "
+      f"accuracy {summary['last_eval_metrics']['accuracy']:.3f} drop_fraction "
+      f"{summary['last_eval_metrics']['moe/drop_fraction']:.3f}"]
+  assert _rows(model_dir) == rows  # the evaluation is printed, not logged again
+  # The restored parameters evaluate as they did at the end of the first launch.
+  final_eval = [r for r in rows if "eval/ce_loss" in r][-1]
+  assert final_eval["step"] == 3
+  assert summary["last_eval_ce_loss"] == pytest.approx(final_eval["eval/ce_loss"],
+                                                       rel=1e-6)
+
 
 def test_restore_fallback_false_stops_and_changes_nothing(three_steps, tmp_path,
                                                            monkeypatch):
