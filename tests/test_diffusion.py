@@ -257,8 +257,24 @@ def test_elbo_is_seeded_exact_for_uniform_and_its_error_shrinks(tiny):
 def test_transfer_schedule_spreads_tokens_evenly():
   count_s, end_s = transfer_schedule(gen_length=8, steps=6, block_length=4)
   assert list(count_s) == [2, 1, 1, 2, 1, 1] and list(end_s) == [4, 4, 4, 8, 8, 8]
-  with pytest.raises(ValueError, match="multiple"):
+  with pytest.raises(ValueError, match="steps 3 must be a multiple of the number of "
+                     "blocks 2"):
     transfer_schedule(gen_length=8, steps=3, block_length=4)
+  with pytest.raises(ValueError, match="gen_length 8 must be a multiple of block_length 3"):
+    transfer_schedule(gen_length=8, steps=8, block_length=3)
+  with pytest.raises(ValueError, match="5 steps per block exceed block_length 4"):
+    transfer_schedule(gen_length=8, steps=10, block_length=4)
+  for bad in ((0, 1, 1), (1, 0, 1), (1, 1, 0)):
+    with pytest.raises(ValueError, match="must be >= 1"):
+      transfer_schedule(*bad)
+  # One token a step at the most: 4 steps fill a block of 4, one token each.
+  assert list(transfer_schedule(4, 4, 4)[0]) == [1, 1, 1, 1]
+  # Blocks of one token: left to right, one a step (autoregressive order).
+  count_s, end_s = transfer_schedule(2, 2, 1)
+  assert list(count_s) == [1, 1] and list(end_s) == [1, 2]
+  with pytest.raises(ValueError, match=r"remasking='confident'; choose one of"):
+    sample_diffusion(None, None, [1, 2], gen_length=4, steps=4, remasking="confident",
+                     mask_id=0)
 
 
 def test_gumbel_sampling_matches_softmax():
