@@ -288,3 +288,29 @@ def test_cudnn_serves_half_precision_head_dims_up_to_128_on_gpu(monkeypatch):
   assert cudnn_supported(q(128, jnp.float16))
   assert not cudnn_supported(q(136)) and not cudnn_supported(q(60))
   assert not cudnn_supported(q(128, jnp.float32))
+
+
+def test_auto_tries_cudnn_where_supported_and_falls_back_to_xla(monkeypatch, caplog):
+  """Where cuDNN should serve (faked here) but its call fails (this CPU has no cuDNN:
+  jax raises RuntimeError), the default implementation logs why and runs XLA's,
+  which equals the plain path."""
+  from openmoe_jax.layers import attention_impls  # pylint: disable=g-import-not-at-top
+  tried, dot_product_attention = [], jax.nn.dot_product_attention
+
+  def recording(*args, implementation=None, **kwargs):
+    tried.append(implementation)
+    return dot_product_attention(*args, implementation=implementation, **kwargs)
+
+  monkeypatch.setattr(attention_impls, "cudnn_supported", lambda q: True)
+  monkeypatch.setattr(jax.nn, "dot_product_attention", recording)
+  q, k, v = jax.random.normal(jax.random.PRNGKey(0), (3, 2, 16, 2, 8), jnp.bfloat16)
+  mask = AttentionMask.build("causal")
+  with caplog.at_level(logging.WARNING):
+    out = XlaDotProductAttention()(q, k, v, mask, 0.5)
+  assert tried == ["cudnn", "xla"]
+  assert "cuDNN attention unavailable (cuDNN is not detected.); using XLA's" in caplog.text
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(
+      PlainAttention()(q, k, v, mask, 0.5), np.float32), atol=2e-2)
+  tried.clear()  # asked for by name: no attempt at cuDNN
+  XlaDotProductAttention("xla")(q, k, v, mask, 0.5)
+  assert tried == ["xla"]
