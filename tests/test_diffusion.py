@@ -125,6 +125,7 @@ def test_is_diffusion_tells_the_objective_kind():
 
 def test_model_sees_corrupted_targets_bidirectionally_and_predicts_its_own_token():
   batch, calls = _batch(), _Calls()
+  batch["decoder_segment_ids"] = jnp.asarray([[1] * 8 + [2] * 8] * 4)  # packed pairs
   obj = MaskedDiffusion(mask_id=MASK, truncate_prob=0.0)
   own = FixedLogits(answer_bt=batch["decoder_target_tokens"], calls=calls)
   _, metrics = obj(own, _stub_params(own), batch, jax.random.PRNGKey(4), train=True)
@@ -141,6 +142,24 @@ def test_model_sees_corrupted_targets_bidirectionally_and_predicts_its_own_token
   _, metrics = obj(shifted, _stub_params(shifted), batch, jax.random.PRNGKey(4),
                    train=True)
   assert float(metrics["masked_accuracy"]) < 0.2 and float(metrics["ce_loss"]) > 5.0
+  # Without segment ids: one segment per row over the non-padding targets (id 0).
+  unpacked = {k: v for k, v in batch.items() if k != "decoder_segment_ids"}
+  unpacked["decoder_target_tokens"] = batch["decoder_target_tokens"].at[:, 13:].set(0)
+  obj(own, _stub_params(own), unpacked, jax.random.PRNGKey(4), train=True)
+  np.testing.assert_array_equal(np.asarray(calls.items[-1][1]),
+                                np.asarray([[1] * 13 + [0] * 3] * 4))
+
+
+def test_random_truncation_keeps_a_uniform_length_in_1_to_t():
+  """Over 4000 draws at t = 4: prob 1 keeps 1, 2, 3 or 4 tokens, each a quarter of
+  the time (4.4 sigma bounds); prob 0.5 keeps all 4 in 0.5 + 0.5 / 4 of them."""
+  keys = jax.random.split(jax.random.PRNGKey(1), 4000)
+  loss_bt, seg_bt = jnp.ones((1, 4), bool), jnp.ones((1, 4), jnp.int32)
+  kept = lambda prob: np.asarray(jax.vmap(lambda key: dl.random_truncation(
+      key, loss_bt, seg_bt, prob)[0].sum())(keys))
+  share_n = np.bincount(kept(1.0), minlength=5) / 4000
+  assert share_n[0] == 0 and np.all(np.abs(share_n[1:] - 0.25) < 0.03), share_n
+  assert abs(np.mean(kept(0.5) == 4) - 0.625) < 0.03
 
 
 def test_llada_eval_masks_exactly_l_of_the_l_tokens_with_l_uniform():
