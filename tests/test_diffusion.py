@@ -99,8 +99,14 @@ def test_force_one_mask_and_exact_count_mask():
   tiny_t = jnp.full((3,), 1e-6)
   forced = np.asarray(dl.bernoulli_mask(jax.random.PRNGKey(0), loss_bt, tiny_t, True))
   assert list(forced.sum(1)) == [1, 0, 1] and not (forced & ~np.asarray(loss_bt)).any()
-  free = np.asarray(dl.bernoulli_mask(jax.random.PRNGKey(0), loss_bt, tiny_t, False))
-  assert not free.any()
+  free = np.asarray(dl.bernoulli_mask(jax.random.PRNGKey(0), loss_bt, tiny_t))
+  assert not free.any()  # no forcing unless asked
+  # 64 one-token rows: antithetic t spreads over [eps, 1), so about half draw no mask.
+  one_token_rows = jnp.ones((64, 1), bool)
+  drawn, _ = dl.draw_masks(jax.random.PRNGKey(0), one_token_rows, "mdlm", 1e-3)
+  assert 16 < int(np.asarray(drawn).sum()) < 48
+  forced, _ = dl.draw_masks(jax.random.PRNGKey(0), one_token_rows, "mdlm", 1e-3, True)
+  assert np.asarray(forced).all()
   exact = np.asarray(dl.exact_count_mask(jax.random.PRNGKey(0), loss_bt,
                                          jnp.asarray([2, 1, 3])))
   assert list(exact.sum(1)) == [2, 0, 3] and not (exact & ~np.asarray(loss_bt)).any()
@@ -179,6 +185,7 @@ def test_llada_eval_masks_exactly_l_of_the_l_tokens_with_l_uniform():
 def test_default_weighting_is_the_1_over_t_loss_and_llada_is_a_removed_name():
   obj = MaskedDiffusion(mask_id=MASK)
   assert obj.weighting == "mdlm" and not obj.force_one_mask
+  assert obj.eps == 1e-3  # MDLM's: t ~ U(1e-3, 1) (REFERENCE.md)
   with pytest.raises(ValueError, match="'llada' was removed; use 'mdlm'.*'llada_eval'"):
     MaskedDiffusion(mask_id=MASK, weighting="llada")
   with pytest.raises(ValueError, match="'llada' was removed"):
