@@ -83,6 +83,7 @@ CASES = [
      "total_steps (4; the run files bind it to TRAIN_STEPS) must exceed "
      "adamw_warmup_cosine.warmup_steps (10)"),
     ("openmoe-train", ["--gin_file=runs/quickstrat.gin"], "'runs/quickstrat.gin' not found"),
+    ("openmoe-train", ["--gin_file"], "--gin_file needs a value"),
     # openmoe-eval
     ("openmoe-eval", ["--model_dir={nockpt}"], "no checkpoint in"),
     ("openmoe-eval", ["--model_dir={tmp}/missing"], "config.gin not found"),
@@ -110,6 +111,10 @@ CASES = [
      "product is 4"),
     ("openmoe-plan", [*MODEL, "--topology=v5e:2x2", "--gin.MoeConfig.top_k=99"], "top_k (99)"),
     ("openmoe-plan", [*MODEL, "--topology=v5e:2x2", "--step_time=-1"], "--step_time"),
+    ("openmoe-plan", [*MODEL, "--topology=v5e:2x2", "--gin.BATCH_SIZE=0"],
+     "BATCH_SIZE=0 must be an integer >= 1"),
+    ("openmoe-plan", [*MODEL, "--topology=v5e:2x2", "--gin.plan.microbatches=0"],
+     "plan.microbatches=0 must be an integer >= 1"),
     ("openmoe-plan", ["--topology=v5e:2x2"], "--gin_file is required"),
     # openmoe-analyze
     ("openmoe-analyze", ["--model_dir={nockpt}", "--output={tmp}/a"], "no checkpoint in"),

@@ -139,6 +139,23 @@ def test_run_and_input_errors_are_one_line_without_traceback(error, code, prefix
   assert err.strip() == f"openmoe-x: {prefix}{first}"  # no hint, no traceback
 
 
+def test_ctrl_c_is_exit_130_and_one_line_and_verbose_shows_a_run_error(capsys):
+  program = flags.Program("openmoe-x", "Does x.", ["openmoe-x"])
+
+  def interrupted(args, gin_flags):
+    raise KeyboardInterrupt
+
+  assert program.main(interrupted, []) == flags.EXIT_INTERRUPTED == 130
+  assert capsys.readouterr().err.strip() == "openmoe-x: interrupted"
+
+  def stopped(args, gin_flags):
+    raise errors.RunError("the run diverged")
+
+  assert program.main(stopped, ["--verbose"]) == flags.EXIT_RUN_FAILED
+  err = capsys.readouterr().err
+  assert "Traceback" in err and err.strip().endswith("openmoe-x: stopped: the run diverged")
+
+
 def test_reliability_errors_are_run_or_input_errors():
   for run_error in (checkpoints.CheckpointSaveError, checkpoints.CheckpointDamagedError,
                     checkpoints.UnwritableDirectoryError, checkpoints.NonFiniteStateError,
