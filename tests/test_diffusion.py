@@ -1,4 +1,5 @@
 """Masked diffusion: noise schedule, masking, loss weights, ELBO, sampler, a tiny run."""
+import inspect
 import math
 from typing import Any
 
@@ -186,6 +187,7 @@ def test_default_weighting_is_the_1_over_t_loss_and_llada_is_a_removed_name():
   obj = MaskedDiffusion(mask_id=MASK)
   assert obj.weighting == "mdlm" and not obj.force_one_mask
   assert obj.eps == 1e-3  # MDLM's: t ~ U(1e-3, 1) (REFERENCE.md)
+  assert obj.truncate_prob == 0.01  # LLaDA: 1% of pretraining sequences cut short
   with pytest.raises(ValueError, match="'llada' was removed; use 'mdlm'.*'llada_eval'"):
     MaskedDiffusion(mask_id=MASK, weighting="llada")
   with pytest.raises(ValueError, match="'llada' was removed"):
@@ -440,3 +442,34 @@ def test_three_step_quickstart_run_with_diffusion(tmp_path):
   assert summary["final_step"] == 3
   assert np.isfinite([summary["first_eval_loss"], summary["last_eval_loss"]]).all()
   assert any("eval @ step 3" in line for line in lines)
+
+
+def test_only_training_batches_are_truncated():
+  """truncate_prob 1: a training batch is cut (15 times in 16 to fewer than its 16
+  positions; this key does), an evaluation batch never is."""
+  model, batch = FixedLogits(), _batch(b=4, t=16)
+  obj = MaskedDiffusion(mask_id=MASK, truncate_prob=1.0)
+  _, train_metrics = obj(model, _stub_params(model), batch, jax.random.PRNGKey(3),
+                         train=True)
+  _, eval_metrics = obj(model, _stub_params(model), batch, jax.random.PRNGKey(3),
+                        train=False)
+  assert float(train_metrics["num_tokens"]) < 64 == float(eval_metrics["num_tokens"])
+
+
+def test_elbo_scores_loss_tokens_only_and_takes_a_single_sample():
+  """Uniform predictions: LLaDA's estimator gives exactly log V whatever is masked;
+  the padding (weight 0) is never a loss token; one sample has no standard error."""
+  model = FixedLogits()
+  weights = np.ones((2, 8), np.float32)
+  weights[1, 5:] = 0
+  batch = _batch(b=2, t=8, weights=weights)
+  one = diffusion_elbo(model, _stub_params(model), batch, jax.random.PRNGKey(0), 1,
+                       mask_id=MASK)
+  assert one["num_tokens"] == 13 and math.isnan(one["stderr"])
+  assert one["nelbo"] == pytest.approx(math.log(V), rel=1e-5)
+  with pytest.raises(ValueError, match="num_samples must be >= 1, got 0"):
+    diffusion_elbo(model, _stub_params(model), batch, jax.random.PRNGKey(0), 0,
+                   mask_id=MASK)
+  # The bound's default eps (for "mdlm" draws) is the training objective's.
+  assert inspect.signature(diffusion_elbo).parameters["eps"].default == (
+      MaskedDiffusion().eps)
