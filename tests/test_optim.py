@@ -30,6 +30,8 @@ def test_warmup_cosine_schedule_endpoints():
   assert float(schedule(60)) == pytest.approx(1e-4 + 0.5 * (1e-3 - 1e-4), rel=1e-5)
   assert float(schedule(110)) == pytest.approx(1e-4)
   assert float(schedule(1000)) == pytest.approx(1e-4)
+  with pytest.raises(ValueError, match=r"total_steps \(10\) must exceed warmup_steps \(10\)"):
+    optim.warmup_cosine_schedule(peak_lr=1e-3, warmup_steps=10, total_steps=10)
 
 
 def _quadratic_run(tx, steps=30):
@@ -130,14 +132,16 @@ def _gradients(shapes, scales, seed=0):
           for scale in scales]
 
 
-def test_adamw_steps_equal_a_numpy_adamw_with_global_norm_clipping():
+@pytest.mark.parametrize("clip_norm", [1.0, None])
+def test_adamw_steps_equal_a_numpy_adamw_with_global_norm_clipping(clip_norm):
   """AdamW by the paper (bias-corrected moments, decoupled decay on matrices only)
   after clipping the global gradient norm at 1, on gradients whose norms are above
-  and below 1, so clipping changes the direction of the moments' history."""
+  and below 1, so clipping changes the direction of the moments' history; with
+  clip_norm None, no clipping."""
   b1, b2, eps, wd, peak, end = 0.8, 0.9, 1e-6, 0.1, 0.1, 0.01
   tx = optim.adamw_warmup_cosine(peak_lr=peak, warmup_steps=1, total_steps=5,
                                  end_lr_ratio=end / peak, b1=b1, b2=b2,
-                                 weight_decay=wd, clip_norm=1.0, eps=eps)
+                                 weight_decay=wd, clip_norm=clip_norm, eps=eps)
   shapes = {"w": (3, 4), "b": (4,)}
   grads = _gradients(shapes, [0.0, 3.0, 0.1, 1.5])
   params = {"w": np.linspace(-1, 1, 12).reshape(3, 4).astype(np.float32),
@@ -153,7 +157,7 @@ def test_adamw_steps_equal_a_numpy_adamw_with_global_norm_clipping():
     # optax's warmup + cosine: 0 at step 0, the peak at step 1, cosine to `end` at 5.
     lr = 0.0 if t == 0 else end + (peak - end) * 0.5 * (1 + np.cos(np.pi * (t - 1) / 4))
     norm = np.sqrt(sum((x.astype(np.float64) ** 2).sum() for x in g.values()))
-    clip = min(1.0, 1.0 / norm) if norm > 0 else 1.0
+    clip = min(1.0, clip_norm / norm) if clip_norm and norm > 0 else 1.0
     for k in shapes:
       gk = g[k] * clip
       m[k] = b1 * m[k] + (1 - b1) * gk

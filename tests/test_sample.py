@@ -247,6 +247,11 @@ def test_cli_autoregressive_prompt_starts_with_token_0(monkeypatch, capsys):
   assert sample_cli.main(["--model_dir=dir", "--prompt=ab", "--mode=ar"]) == 0
   assert seen == [[0] + _Vocab().encode("ab")]
   assert capsys.readouterr().out == "abCD\n"
+  # What follows the EOS id is not printed (the sampler stops there; a fake one may not).
+  monkeypatch.setattr(sample_cli, "sample_autoregressive", lambda model, params, ids, **k:
+                      np.asarray(list(ids) + [2, _Vocab.eos_id, 3], np.int32))
+  assert sample_cli.main(["--model_dir=dir", "--prompt=ab", "--mode=ar"]) == 0
+  assert capsys.readouterr().out == "abC\n"
 
 
 @pytest.mark.slow
