@@ -1,6 +1,7 @@
-"""The t5x checkpoint reader (convert/t5x_reader.py) on checkpoints written in t5x's
-layout by tests/t5x_format.py: inline and TensorStore leaves, and each way a folder
-can fail to be a readable t5x checkpoint, named."""
+"""The readers of foreign checkpoints. t5x (convert/t5x_reader.py) on checkpoints
+written in t5x's layout by tests/t5x_format.py: inline and TensorStore leaves, and
+each way a folder can fail to be a readable t5x checkpoint, named. Hugging Face
+safetensors (convert/hf_io.py): a single file, and the missing pieces named."""
 import json
 import os
 import shutil
@@ -9,6 +10,8 @@ import numpy as np
 import pytest
 from flax import serialization
 
+from openmoe_jax.convert.hf_io import (INDEX, SINGLE, SafetensorsReader, read_config,
+                                       write_safetensors)
 from openmoe_jax.convert.layout import ConversionError
 from openmoe_jax.convert.t5x_reader import T5xCheckpoint, find_checkpoint_dir
 from t5x_format import write_t5x_checkpoint
@@ -75,3 +78,24 @@ def test_an_unreadable_array_is_named_with_its_parameter(tmp_path):
   with pytest.raises(ConversionError, match=f"parameter {name}: its TensorStore spec "
                      "names no array folder"):
     checkpoint.read(name)
+
+
+def test_a_single_safetensors_file_reads_and_missing_pieces_are_named(tmp_path):
+  tensors = [("a", np.arange(6, dtype=np.float32)), ("b", np.ones((2, 3), np.float16))]
+  assert write_safetensors(str(tmp_path / "one"), iter(tensors)) == [SINGLE]
+  reader = SafetensorsReader(str(tmp_path / "one"))
+  assert sorted(reader.names) == ["a", "b"]
+  for name, array in tensors:
+    assert reader.read(name).dtype == np.float32
+    np.testing.assert_array_equal(reader.read(name), array)
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(ConversionError, match=f"empty holds no {SINGLE} and no {INDEX}: "
+                     "not a Hugging Face safetensors checkpoint"):
+    SafetensorsReader(str(tmp_path / "empty"))
+  write_safetensors(str(tmp_path / "two"), iter(tensors), max_shard_bytes=24)
+  os.remove(tmp_path / "two" / "model-00002-of-00002.safetensors")
+  with pytest.raises(ConversionError, match="two/model-00002-of-00002.safetensors is "
+                     f"missing \\(named in {INDEX}\\)"):
+    SafetensorsReader(str(tmp_path / "two"))
+  with pytest.raises(ConversionError, match="empty/config.json is missing"):
+    read_config(str(tmp_path / "empty"))
