@@ -305,3 +305,15 @@ def test_record_numbers_rows_across_batches_and_tasks():
                        batch_size=b, routing_fn=routing_fn)
   np.testing.assert_array_equal(rec.row, np.repeat(np.arange(6), t))
   np.testing.assert_array_equal(rec.task, [0] * 16 + [1] * 8)
+
+
+def test_checkpoint_selection_all_latest_or_listed_steps():
+  available = [2, 4, 6]
+  assert cli._select_steps(available, "all") == available  # pylint: disable=protected-access
+  assert cli._select_steps(available, "latest") == [6]  # pylint: disable=protected-access
+  assert cli._select_steps(available, "6, 2,6") == [2, 6]  # pylint: disable=protected-access
+  for spec, message in (("x", "give 'all', 'latest' or comma-separated steps from "
+                         r"\[2, 4, 6\]"), (",", "give 'all'"),
+                        ("2,5", r"no checkpoint at step\(s\) \[5\]; available")):
+    with pytest.raises(flags.UsageError, match=message):
+      cli._select_steps(available, spec)  # pylint: disable=protected-access

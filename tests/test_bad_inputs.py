@@ -128,6 +128,9 @@ CASES = [
      "--num_batches"),
     ("openmoe-analyze", ["--model_dir={md}", "--output={tmp}/a", "--pack=maybe"], "--pack"),
     ("openmoe-analyze", ["--model_dir={md}"], "--output"),
+    ("openmoe-analyze", ["--output={tmp}/a"], "give --model_dir (or --from_records)"),
+    ("openmoe-analyze", ["--model_dir={md}", "--output={tmp}/a", "--tasks=,"],
+     "--tasks is empty: name at least one seqio task"),
     # openmoe-ablate
     ("openmoe-ablate", ["--arms=tc_sofmax", "--output={tmp}/abl"], "unknown arms"),
     ("openmoe-ablate", ["--steps=1", "--output={tmp}/abl"], "--steps=1"),
@@ -169,7 +172,7 @@ CASES = [
     ("openmoe-convert", ["to-hf", "--model_dir={md}", "--output={tmp}/c",
                          "--layout=openmoe", "--max_shard_gb=0"], "--max_shard_gb"),
     ("openmoe-convert", ["from-t5x", "--checkpoint={tmp}/missing", "--output={tmp}/c",
-                         *MODEL], "missing"),
+                         *MODEL], "missing: no such directory"),
     ("openmoe-convert", ["frob", "--model_dir={md}"], "'frob'"),
 ]
 

@@ -9,6 +9,7 @@ import pytest
 
 from openmoe_jax import checkpoints, errors, train_loop
 from openmoe_jax.cli import flags
+from openmoe_jax.convert.layout import ConversionError
 from openmoe_jax.data import sources
 
 # console_scripts of setup.py: program -> module whose main() it runs.
@@ -125,6 +126,7 @@ def test_verbose_shows_the_traceback(capsys):
 @pytest.mark.parametrize("error, code, prefix", [
     (errors.RunError("every checkpoint under /r is damaged\ndetails"), 1, "stopped: "),
     (errors.InputError("/d/x.jsonl:4: not a JSON line"), 2, "error: "),
+    (ConversionError("/ckpt: no such directory"), 2, "error: "),
 ])
 def test_run_and_input_errors_are_one_line_without_traceback(error, code, prefix,
                                                             capsys):
@@ -161,7 +163,8 @@ def test_reliability_errors_are_run_or_input_errors():
                     checkpoints.UnwritableDirectoryError, checkpoints.NonFiniteStateError,
                     train_loop.TrainingDivergedError):
     assert issubclass(run_error, errors.RunError), run_error
-  for input_error in (checkpoints.CheckpointMismatchError, sources.DataFileError):
+  for input_error in (checkpoints.CheckpointMismatchError, sources.DataFileError,
+                      ConversionError):
     assert issubclass(input_error, errors.InputError), input_error
 
 

@@ -322,3 +322,22 @@ def test_config_special_tokens_are_our_data_pipelines_and_nothing_else_acts(
   # Our head is its own parameter and no projection has a bias: transformers would
   # tie lm_head to the embedding, or add biases, were these true.
   assert config["tie_word_embeddings"] is False and config["attention_bias"] is False
+
+
+def test_the_gin_model_to_import_into_needs_a_file_and_a_vocabulary_size():
+  """openmoe-convert from-hf / from-t5x build the model from gin: the task's
+  vocabulary (rounded up to 128 rows), else ModelConfig.vocab_size, else a clear
+  refusal."""
+  from openmoe_jax.cli import convert as convert_cli  # pylint: disable=g-import-not-at-top
+  from_gin = convert_cli._model_from_gin  # pylint: disable=protected-access
+  with pytest.raises(ConversionError, match="--gin_file is required"):
+    from_gin([], [], [])
+  with pytest.raises(ConversionError, match=r"the gin files name no task \(train."
+                     r"mixture_or_task_name\) and bind no ModelConfig.vocab_size"):
+    from_gin(["models/quickstart_moe.gin"], [], [])
+  assert from_gin(["models/quickstart_moe.gin"], ["ModelConfig.vocab_size = 200"],
+                  []).vocab_size == 200
+  from openmoe_jax.data import pipeline  # pylint: disable=g-import-not-at-top
+  task_vocab = pipeline.vocabulary_for("local_mix").vocab_size
+  assert task_vocab % 128 and from_gin(["runs/quickstart.gin"], [], []).vocab_size == (
+      task_vocab // 128 + 1) * 128

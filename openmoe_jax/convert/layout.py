@@ -12,14 +12,16 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import numpy as np
 
+from openmoe_jax import errors
 from openmoe_jax.config import ModelConfig
 from openmoe_jax.model import layer_slots
 
 Path = Tuple[str, ...]
 
 
-class ConversionError(ValueError):
-  """A checkpoint does not fit the model or the layout (one clear line)."""
+class ConversionError(errors.InputError):
+  """A checkpoint does not fit the model or the layout (one clear line; programs
+  print it without offering a traceback and exit 2)."""
 
 
 @dataclasses.dataclass(frozen=True)
