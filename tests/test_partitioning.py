@@ -35,6 +35,13 @@ def test_make_mesh_defaults_to_all_devices():
   assert partitioning.make_mesh(num_devices=2).devices.size == 2
   with pytest.raises(ValueError):
     partitioning.make_mesh(num_devices=9)
+  # At most one -1 degree, filled from the others.
+  assert dict(partitioning.make_mesh(expert=2).shape) == {"data": 4, "expert": 2}
+  with pytest.raises(ValueError, match="cannot fill the -1 mesh degree: 8 devices are "
+                     "not divisible by the fixed degrees"):
+    partitioning.make_mesh(expert=3)
+  with pytest.raises(ValueError, match="each must be >= 1 except at most one -1"):
+    partitioning.make_mesh(fsdp=-1)
 
 
 def test_rules_on_data_mesh_shard_only_batch():
