@@ -144,6 +144,8 @@ def test_routing_stability_identical_is_one_and_independent_is_one_over_e():
   assert result["chance"] == 1 / E and result["mean_to_final"][-1] == 1.0
   for value in result["mean_to_final"][:-1] + result["mean_consecutive"][1:]:
     assert value == pytest.approx(1 / E, abs=0.05)
+  with pytest.raises(ValueError, match="routing_stability needs at least one record"):
+    analyses.routing_stability([])
 
 
 def test_domain_load_heatmap_numbers():

@@ -269,6 +269,13 @@ def test_a_rule_for_a_parameter_the_model_lacks_is_a_conversion_error():
   layout = Layout("toy", lambda cfg: [Rule("a", ("a",))], lambda cfg, i, sparse: [])
   with pytest.raises(ConversionError, match="'toy' has no tensor for parameter x:"):
     import_tensors(read, ["a"], MIXTRAL_CFG, layout, shapes)
+  # And tensors the layout does not use: the checkpoint is not of this gin model.
+  both = Layout("toy", lambda cfg: [Rule("a", ("a",)), Rule("x", ("x",))],
+                lambda cfg, i, sparse: [])
+  with pytest.raises(ConversionError, match="the checkpoint holds 2 tensor\\(s\\) the "
+                     "gin model has no place for, e.g. 'extra.0': is the gin model the "
+                     "one it was trained with"):
+    import_tensors(read, ["a", "x", "extra.1", "extra.0"], MIXTRAL_CFG, both, shapes)
 
 
 def test_per_expert_tensors_stack_in_expert_number_order_past_ten():
@@ -341,3 +348,15 @@ def test_the_gin_model_to_import_into_needs_a_file_and_a_vocabulary_size():
   task_vocab = pipeline.vocabulary_for("local_mix").vocab_size
   assert task_vocab % 128 and from_gin(["runs/quickstart.gin"], [], []).vocab_size == (
       task_vocab // 128 + 1) * 128
+
+
+def test_an_unknown_architecture_or_an_unset_vocabulary_is_refused():
+  from openmoe_jax.convert import registry  # pylint: disable=g-import-not-at-top
+  assert registry.layout_of({"architectures": ["Qwen3MoeForCausalLM"]}) == "qwen3_moe"
+  for config_json, shown in (({"architectures": ["LlamaForCausalLM"]},
+                              r"\['LlamaForCausalLM'\]"), ({}, "None")):
+    with pytest.raises(ConversionError, match=f"config.json architectures {shown} match "
+                       "no layout \\(glm4_moe, mixtral, openmoe, qwen3_moe\\); pass --layout"):
+      registry.layout_of(config_json)
+  with pytest.raises(ConversionError, match="ModelConfig.vocab_size is unset"):
+    hf_native.llama_config_fields(MIXTRAL_CFG.replace(vocab_size=None))

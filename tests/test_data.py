@@ -354,3 +354,6 @@ def test_a_vocabulary_without_mask_or_mode_pieces_falls_back_or_refuses():
   assert vocab_lib.mode_token_id(vocab, "[NLU]") == 3
   with pytest.raises(ValueError, match="no piece"):
     vocab_lib.mode_token_id(vocab, "[NLG]")
+  no_extra_ids = types.SimpleNamespace(tokenizer=Tokenizer(), extra_ids=0, vocab_size=1000)
+  with pytest.raises(ValueError, match="has neither <mask> nor extra ids"):
+    vocab_lib.mask_token_id(no_extra_ids)

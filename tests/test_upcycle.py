@@ -79,6 +79,11 @@ def test_incompatible_models_are_refused():
                         moe=MoeConfig(num_experts=4, residual_mlp=False))
   with pytest.raises(ValueError, match="d_model: dense 16 vs MoE 32"):
     upcycle_params(dense, DENSE, _init(wider, 1), wider)
+  moe = DENSE.replace(layer_pattern="MMMM", moe=MoeConfig(num_experts=4, residual_mlp=False))
+  half = moe.replace(layer_pattern="DMDM")  # one MoE layer is enough to refuse
+  with pytest.raises(ValueError, match="the dense checkpoint has MoE layers; upcycling "
+                     "needs a dense model"):
+    upcycle_params(_init(half, 0), half, _init(moe, 1), moe)
   with pytest.raises(ValueError, match="to divide num_experts"):
     split_ffn_into_experts(get_layer(dense, layer_slots(DENSE)[0])["mlp"],
                            "swiglu", 4, 3)  # 8 slices of 3 cannot fill 4 experts
