@@ -285,28 +285,50 @@ def test_token_specialization_counts_ids_seen_exactly_min_count_times():
   assert result["token_expert_distribution"][0]["token_ids"] == [7]
 
 
+_ROW_CFG = ModelConfig(vocab_size=16, d_model=8, num_heads=1, head_dim=8, d_ff=8,
+                       num_layers=2, sparse_interval=2, moe=MoeConfig(num_experts=E))
+
+
+def _to_expert_0(params, batch):
+  """A routing_fn stand-in: one MoE layer sending every token to expert 0."""
+  del params
+  shape = (1,) + batch["decoder_input_tokens"].shape + (1,)
+  return {"expert_index": np.zeros(shape, np.int32),
+          "gates": np.ones(shape, np.float32), "kept": np.ones(shape, bool)}, {}
+
+
+def _rows_of(token, b, t=4):
+  return {"decoder_input_tokens": np.full((b, t), token, np.int32),
+          "decoder_positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)),
+          "decoder_segment_ids": np.ones((b, t), np.int32)}
+
+
 def test_record_numbers_rows_across_batches_and_tasks():
   """Row ids count on over every batch of every task (batch 2 of 2-row batches holds
   rows 2 and 3), so tokens of different rows are never merged."""
-  cfg = ModelConfig(vocab_size=16, d_model=8, num_heads=1, head_dim=8, d_ff=8,
-                    num_layers=2, sparse_interval=2, moe=MoeConfig(num_experts=E))
-  b, t = 2, 4
+  rec = record_routing(_ROW_CFG, {}, {"x": [_rows_of(1, 2), _rows_of(1, 2)],
+                                      "y": [_rows_of(1, 2)]},
+                       batch_size=2, routing_fn=_to_expert_0)
+  np.testing.assert_array_equal(rec.row, np.repeat(np.arange(6), 4))
+  np.testing.assert_array_equal(rec.task, [0] * 16 + [1] * 8)
+
+
+def test_a_short_last_batch_is_padded_and_a_task_without_batches_refused():
+  """A last batch of 1 row runs padded to the batch size of 2 (one compiled shape);
+  only its real row is recorded."""
+  seen_rows = []
 
   def routing_fn(params, batch):
-    del params
-    shape = (1,) + batch["decoder_input_tokens"].shape + (1,)
-    return {"expert_index": np.zeros(shape, np.int32),
-            "gates": np.ones(shape, np.float32), "kept": np.ones(shape, bool)}, {}
+    seen_rows.append(batch["decoder_input_tokens"].shape[0])
+    return _to_expert_0(params, batch)
 
-  def batch():
-    return {"decoder_input_tokens": np.ones((b, t), np.int32),
-            "decoder_positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)),
-            "decoder_segment_ids": np.ones((b, t), np.int32)}
-
-  rec = record_routing(cfg, {}, {"x": [batch(), batch()], "y": [batch()]},
-                       batch_size=b, routing_fn=routing_fn)
-  np.testing.assert_array_equal(rec.row, np.repeat(np.arange(6), t))
-  np.testing.assert_array_equal(rec.task, [0] * 16 + [1] * 8)
+  rec = record_routing(_ROW_CFG, {}, {"x": [_rows_of(1, 2), _rows_of(7, 1)]},
+                       batch_size=2, routing_fn=routing_fn)
+  assert seen_rows == [2, 2]
+  np.testing.assert_array_equal(rec.token, [1] * 8 + [7] * 4)
+  with pytest.raises(ValueError, match="task 'y' gave no batches: is its split empty?"):
+    record_routing(_ROW_CFG, {}, {"x": [_rows_of(1, 2)], "y": []}, batch_size=2,
+                   routing_fn=_to_expert_0)
 
 
 def test_checkpoint_selection_all_latest_or_listed_steps():
