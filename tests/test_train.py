@@ -110,6 +110,19 @@ def test_missing_required_value_fails_naming_it(capsys):
   assert "train.optimizer" in _error_line(capsys)
 
 
+def test_the_summary_says_n_a_where_no_step_ran(capsys):
+  """A relaunched finished run ran no step: no throughput, no MFU; keys the summary
+  lacks are left out."""
+  train_cli.print_run_summary({"last_eval_ce_loss": 2.5, "tokens_per_sec": None,
+                               "mfu": float("nan"), "final_step": 3})
+  assert capsys.readouterr().out.splitlines() == [
+      "", "=== openmoe_jax run summary ===",
+      "    last_eval_ce_loss: 2.5000",
+      "       tokens_per_sec: n/a (no training step ran)",
+      "                  mfu: n/a",
+      "           final_step: 3"]
+
+
 def test_unknown_argument_is_rejected(capsys):
   assert train_cli.main(["--gin_file=runs/quickstart.gin", "--steps=3"]) == 2
   assert "--steps" in _error_line(capsys)
