@@ -51,6 +51,32 @@ def test_short_runs_scale_the_warmup_down_and_say_so():
   adamw_warmup_cosine()
 
 
+def test_an_upcycled_arm_trains_after_its_dense_source(monkeypatch, tmp_path):
+  """The upcycled arm starts from the dense arm's checkpoint: listed first, the dense
+  arm is moved before it; not listed, it is trained first (and its row left out);
+  already trained under the same output, it is reused."""
+  ran = []
+
+  def run_arm(arm, *args):
+    ran.append(arm)
+    return arm
+
+  monkeypatch.setattr(ablate, "run_arm", run_arm)
+  out = str(tmp_path)
+  assert ablate.run_arms(["upcycled", "tc_softmax", "dense"], 2, out, "run.gin",
+                         print_fn=lambda *_: None) == ["upcycled", "tc_softmax", "dense"]
+  assert ran == ["dense", "upcycled", "tc_softmax"]
+  ran.clear()
+  reported = []
+  assert ablate.run_arms(["upcycled"], 2, out, "run.gin", print_fn=lambda *_: None,
+                         on_result=reported.append) == ["upcycled"]
+  assert ran == ["dense", "upcycled"] and reported == ["upcycled"]
+  ran.clear()
+  (tmp_path / "dense" / "checkpoints").mkdir(parents=True)
+  ablate.run_arms(["upcycled"], 2, out, "run.gin", print_fn=lambda *_: None)
+  assert ran == ["upcycled"]
+
+
 def test_a_too_long_warmup_names_the_binding_and_the_minimum():
   from openmoe_jax.optim import adamw_warmup_cosine  # pylint: disable=g-import-not-at-top
   with pytest.raises(ValueError, match=r"at least 11 steps.*adamw_warmup_cosine\.warmup"):
