@@ -193,3 +193,13 @@ def test_ragged_pallas_under_a_mesh_matches_padded():
       params, x)
   _close(y, y_ref, jnp.float32)
   jax.tree.map(lambda a, b: _close(a, b, jnp.float32), grads, grads_ref)
+
+
+def test_the_row_kernels_refuse_rows_they_cannot_move_by_name():
+  rows = jnp.zeros((4, 8), jnp.int8)
+  with pytest.raises(ValueError, match="permute kernels take 16- or 32-bit rows, got int8"):
+    permute_pallas.gather_rows(rows, jnp.arange(4), interpret=True)
+  with pytest.raises(ValueError, match="combine kernel takes float32 or bfloat16 rows, "
+                     "got float16"):
+    permute_pallas.combine_rows(jnp.zeros((4, 8), jnp.float16), jnp.zeros((2, 2), jnp.int32),
+                                jnp.ones((2, 2)), interpret=True)
