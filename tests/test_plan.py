@@ -229,3 +229,35 @@ def test_an_moe_layer_without_the_residual_mlp_weighs_one_dense_mlp_less():
   assert dense_2 == dense
   assert moe - moe_2 == pytest.approx(6 * 3 * d * f)
 
+
+
+def test_the_text_report_of_a_step_that_fits():
+  """Every line of the readable report, from a report made by hand (GiB = 2^30)."""
+  gib = 2 ** 30
+  report = {"topology": "v5e:2x2", "device_kind": "TPU v5 lite", "num_chips": 4,
+            "num_devices": 4, "mesh": {"data": 4}, "dispatcher": "einsum",
+            "attention": "splash", "batch_size": 8, "sequence_length": 256,
+            "argument_bytes": 1 * gib, "temp_bytes": 2 * gib, "output_bytes": gib // 2,
+            "alias_bytes": gib // 4, "peak_bytes_per_device": 3.25 * gib,
+            "hbm_bytes_per_device": 16 * gib, "fits": True, "compiled_flops": 1.5e12,
+            "analytic_flops": 3e12, "collectives": {"all-reduce": 3, "all-to-all": 0},
+            "loop_correction": 2.0, "estimated_step_s": 0.02, "estimated_compute_s": 0.02,
+            "estimated_memory_s": 0.01, "estimated_bound": "compute",
+            "estimated_mfu": 0.38, "mfu": 0.25}
+  lines = plan.format_report(report).splitlines()
+  assert lines[:5] == [
+      "v5e:2x2 (TPU v5 lite): 4 chips, 4 devices, mesh {'data': 4}, MoE dispatch "
+      "einsum, attention splash",
+      "batch 8 x 256 tokens",
+      "per device: arguments 1.00 GiB, temp 2.00 GiB, outputs 0.50 GiB (aliased 0.25 "
+      "GiB) -> peak 3.25 GiB of 16.00 GiB HBM: fits",
+      "FLOPs per step: compiled 1.500e+12 (XLA counts each loop body once: scanned "
+      "layers and microbatches), analytic 3.000e+12",
+      "collectives in the step: all-reduce 3"]
+  assert lines[5].startswith("roofline ESTIMATE (not a measurement; XLA's per-device "
+                             "FLOPs and bytes x 2.00 for the loops it counts once): "
+                             "step 20.0 ms (compute 20.0 ms, HBM 10.0 ms: compute-bound)"
+                             ", implying MFU 38.0%")
+  assert lines[6:] == ["MFU at the given step time: 25.0%"]
+  del report["mfu"]  # no --step_time: no such line
+  assert len(plan.format_report(report).splitlines()) == 6
