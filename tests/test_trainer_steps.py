@@ -123,6 +123,10 @@ def test_trainer_places_adam_moments_like_their_parameters():
     state, metrics = trainer.train_step(state, _batch(), jax.random.PRNGKey(1))
     assert int(state.step) == 1 and np.isfinite(float(metrics["loss"]))
     assert jax.tree.map(lambda a: a.sharding, _adam_state(state.opt_state).mu) == param_sh
+    # One batch's eval step is what the evaluation over that one batch reports.
+    one = {k: float(v) for k, v in trainer.eval_step(state.params, _batch()).items()}
+    assert trainer.evaluate(state.params, iter([_batch()])) == pytest.approx(one)
+    assert one["num_tokens"] == _batch()["decoder_loss_weights"].sum()
 
 
 def _adam_state(opt_state):
