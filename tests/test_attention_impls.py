@@ -139,6 +139,9 @@ def test_attention_mask_dense_matches_make_attention_mask():
     mask = AttentionMask.build(kind, seg, prefix if kind == "prefix" else None)
     np.testing.assert_array_equal(
         mask.dense(2, T), make_attention_mask(kind, T, seg, prefix, 2))
+  # Without segment ids: one lower-triangular mask for a batch of 1.
+  np.testing.assert_array_equal(make_attention_mask("causal", 3),
+                                np.tril(np.ones((1, 1, 3, 3), bool)))
   with pytest.raises(ValueError, match="prefix flags"):
     AttentionMask.build("prefix", seg)
   with pytest.raises(ValueError, match="unknown attention kind"):

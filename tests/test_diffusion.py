@@ -214,7 +214,7 @@ def test_loss_equals_a_numpy_computation_on_a_fixed_mask(monkeypatch, weighting)
       return jnp.asarray(logits_btv) + self.param("bias", nn.initializers.zeros, (V,)), {
           "aux_loss": jnp.zeros(()), "lb_loss": jnp.zeros(()), "z_loss": jnp.zeros(())}
 
-  obj = MaskedDiffusion(mask_id=MASK, weighting=weighting, truncate_prob=0.0)
+  obj = MaskedDiffusion(mask_id=MASK, weighting=weighting, truncate_prob=0.0, z_loss=0.5)
   model = Fixed()
   loss, metrics = obj(model, _stub_params(model), batch, jax.random.PRNGKey(5),
                       train=True)
@@ -226,7 +226,12 @@ def test_loss_equals_a_numpy_computation_on_a_fixed_mask(monkeypatch, weighting)
   loss_tokens_b, masked_b = weights_bt.sum(1), masked_bt.sum(1)  # L = [6, 4], l = [3, 1]
   weight_b = 1 / t_b.astype(np.float64) if weighting == "mdlm" else loss_tokens_b / masked_b
   expected = (weight_b[:, None] * masked_bt * ce_bt).sum() / loss_tokens_b.sum()
-  np.testing.assert_allclose(float(loss), expected, rtol=1e-6)
+  # z-loss: the mean over masked tokens of logsumexp(logits)^2, weighted by z_loss.
+  x_btv = logits_btv.astype(np.float64)
+  lse_bt = np.log(np.exp(x_btv).sum(-1))
+  z_loss = (lse_bt ** 2 * masked_bt).sum() / masked_bt.sum()
+  np.testing.assert_allclose(float(metrics["logits_z_loss"]), z_loss, rtol=1e-5)
+  np.testing.assert_allclose(float(loss), expected + 0.5 * z_loss, rtol=1e-5)
   np.testing.assert_allclose(float(metrics["ce_loss"]), expected, rtol=1e-6)
   assert float(metrics["num_tokens"]) == 10
   np.testing.assert_allclose(float(metrics["mask_fraction"]), 4 / 10)
@@ -467,9 +472,38 @@ def test_elbo_scores_loss_tokens_only_and_takes_a_single_sample():
                        mask_id=MASK)
   assert one["num_tokens"] == 13 and math.isnan(one["stderr"])
   assert one["nelbo"] == pytest.approx(math.log(V), rel=1e-5)
+  two = diffusion_elbo(model, _stub_params(model), batch, jax.random.PRNGKey(0), 2,
+                       mask_id=MASK)
+  assert two["stderr"] == pytest.approx(0.0, abs=1e-6)  # each sample is log V
   with pytest.raises(ValueError, match="num_samples must be >= 1, got 0"):
     diffusion_elbo(model, _stub_params(model), batch, jax.random.PRNGKey(0), 0,
                    mask_id=MASK)
   # The bound's default eps (for "mdlm" draws) is the training objective's.
   assert inspect.signature(diffusion_elbo).parameters["eps"].default == (
       MaskedDiffusion().eps)
+
+
+class _TrainFlag(nn.Module):
+  """Stub decoder with uniform logits that records the `train` flag it is called with."""
+
+  calls: Any = None
+
+  @nn.compact
+  def __call__(self, tokens_bt, *, train=False, **kwargs):
+    self.calls.items.append(train)
+    bias_v = self.param("bias", nn.initializers.zeros, (V,))
+    zero = jnp.zeros((), jnp.float32)
+    return (jnp.broadcast_to(bias_v, tokens_bt.shape + (V,)),
+            {"aux_loss": zero, "lb_loss": zero, "z_loss": zero})
+
+
+def test_the_bound_runs_the_model_as_in_evaluation():
+  """No router jitter, the evaluation capacity factor: train=False for the ELBO, as
+  for the objective's own evaluation; train=True only for a training step."""
+  calls = _Calls()
+  model, batch = _TrainFlag(calls=calls), _batch(b=2, t=8)
+  diffusion_elbo(model, _stub_params(model), batch, jax.random.PRNGKey(0), 2,
+                 mask_id=MASK)
+  MaskedDiffusion(mask_id=MASK)(model, _stub_params(model), batch,
+                                jax.random.PRNGKey(0), train=True)
+  assert calls.items == [False, True]
