@@ -33,7 +33,12 @@ from gin import config_parser
 # point, whose imports register the model (config, MoE routers and dispatchers),
 # objectives, optimizers, data pipeline, metrics, checkpoints and partitioning. Gin
 # files name the modules they configure with `import` lines of their own (t5x style).
-CONFIGURABLE_MODULES = ("openmoe_jax.trainer",)
+# Every module whose configurables the training gin files bind: the trainer (which
+# imports the model, routers, dispatchers, objectives and optimizers) and the data
+# pipeline (seqio tasks, UL2, sources), which the trainer imports only inside `train`
+# so that `Trainer` loads without TensorFlow; a gin config is locked by then, and
+# registering a configurable after that fails. openmoe-plan imports `plan` itself.
+CONFIGURABLE_MODULES = ("openmoe_jax.trainer", "openmoe_jax.data.pipeline")
 
 _QUOTED_OR_STRUCTURED = ("@", "%", "[", "(", "{", "'", '"')
 # What gin raises for bad files/bindings: unknown names (ValueError), unreadable

@@ -1,4 +1,5 @@
-"""Masked diffusion: noise schedule, masking, loss weights, ELBO, sampler, a tiny run."""
+"""Masked diffusion: noise schedule, masking, loss weights, ELBO, a tiny run (the
+sampler: test_diffusion_sampling.py)."""
 import inspect
 import math
 from typing import Any
@@ -11,70 +12,18 @@ import numpy as np
 import pytest
 
 from openmoe_jax import gin_utils
-from openmoe_jax.config import ModelConfig, MoeConfig
 from openmoe_jax.model import Decoder
 from openmoe_jax.moe.routers_expert_choice import ExpertChoiceRouter
 from openmoe_jax.objectives import CausalLm, MaskedDiffusion, diffusion_elbo, is_diffusion
 from openmoe_jax.objectives import diffusion as dl
 from openmoe_jax.data.vocabulary import get_vocabulary, mask_token_id
-from openmoe_jax.decoding.diffusion import (gumbel_argmax, sample_diffusion,
-                                            transfer_schedule)
-
-V, MASK = 64, 3
-TINY = ModelConfig(vocab_size=V, d_model=16, num_heads=2, head_dim=8, d_ff=24,
-                   num_layers=2, sparse_interval=2,
-                   moe=MoeConfig(num_experts=4, group_size=4096, min_capacity=64))
-
-
-class _Calls:
-  """A list holder (flax turns list attributes into tuples)."""
-
-  def __init__(self):
-    self.items = []
-
-
-class FixedLogits(nn.Module):
-  """Stub decoder: logits = bias + 20 * one_hot(answer) (or uniform without answer);
-  records the tokens and segment ids it was called with."""
-
-  vocab: int = V
-  answer_bt: Any = None
-  calls: Any = None
-
-  @nn.compact
-  def __call__(self, tokens_bt, *, positions_bt=None, segment_ids_bt=None,
-               prefix_bt=None, attention_kind="causal", train=False):
-    if self.calls is not None:
-      self.calls.items.append((tokens_bt, segment_ids_bt, attention_kind))
-    bias_v = self.param("bias", nn.initializers.zeros, (self.vocab,))
-    logits_btv = jnp.broadcast_to(bias_v, tokens_bt.shape + (self.vocab,))
-    if self.answer_bt is not None:
-      logits_btv = logits_btv + 20.0 * jax.nn.one_hot(self.answer_bt, self.vocab)
-    zero = jnp.zeros((), jnp.float32)
-    return logits_btv, {"aux_loss": zero, "lb_loss": zero, "z_loss": zero}
-
-
-def _batch(b=4, t=16, seed=1, weights=None):
-  targets_bt = np.asarray(jax.random.randint(jax.random.PRNGKey(seed), (b, t), 7, V))
-  weights_bt = np.ones((b, t), np.float32) if weights is None else weights
-  return {"decoder_target_tokens": jnp.asarray(targets_bt, jnp.int32),
-          "decoder_input_tokens": jnp.full((b, t), 5, jnp.int32),
-          "decoder_loss_weights": jnp.asarray(weights_bt),
-          "decoder_segment_ids": jnp.ones((b, t), jnp.int32),
-          "decoder_positions": jnp.broadcast_to(jnp.arange(t), (b, t))}
-
-
-def _stub_params(model):  # every stub has the same single bias parameter
-  del model
-  return FixedLogits().init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]
+from diffusion_stubs import (MASK, TINY, V, Calls, FixedLogits, batch_of, stub_params,
+                             tiny_model)
 
 
 @pytest.fixture(scope="module")
 def tiny():
-  model = Decoder(TINY)
-  params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0),
-                                        jnp.zeros((1, 16), jnp.int32)))["params"]
-  return model, params
+  return tiny_model()
 
 
 def test_antithetic_times_cover_eps_to_one_evenly():
@@ -131,11 +80,11 @@ def test_is_diffusion_tells_the_objective_kind():
 
 
 def test_model_sees_corrupted_targets_bidirectionally_and_predicts_its_own_token():
-  batch, calls = _batch(), _Calls()
+  batch, calls = batch_of(), Calls()
   batch["decoder_segment_ids"] = jnp.asarray([[1] * 8 + [2] * 8] * 4)  # packed pairs
   obj = MaskedDiffusion(mask_id=MASK, truncate_prob=0.0)
   own = FixedLogits(answer_bt=batch["decoder_target_tokens"], calls=calls)
-  _, metrics = obj(own, _stub_params(own), batch, jax.random.PRNGKey(4), train=True)
+  _, metrics = obj(own, stub_params(own), batch, jax.random.PRNGKey(4), train=True)
   tokens_bt, segment_ids_bt, kind = calls.items[-1]
   tokens_bt = np.asarray(tokens_bt)
   targets_bt = np.asarray(batch["decoder_target_tokens"])
@@ -146,13 +95,13 @@ def test_model_sees_corrupted_targets_bidirectionally_and_predicts_its_own_token
                                 np.asarray(batch["decoder_segment_ids"]))
   assert float(metrics["masked_accuracy"]) == 1.0 and float(metrics["ce_loss"]) < 1e-3
   shifted = FixedLogits(answer_bt=jnp.roll(batch["decoder_target_tokens"], -1, axis=1))
-  _, metrics = obj(shifted, _stub_params(shifted), batch, jax.random.PRNGKey(4),
+  _, metrics = obj(shifted, stub_params(shifted), batch, jax.random.PRNGKey(4),
                    train=True)
   assert float(metrics["masked_accuracy"]) < 0.2 and float(metrics["ce_loss"]) > 5.0
   # Without segment ids: one segment per row over the non-padding targets (id 0).
   unpacked = {k: v for k, v in batch.items() if k != "decoder_segment_ids"}
   unpacked["decoder_target_tokens"] = batch["decoder_target_tokens"].at[:, 13:].set(0)
-  obj(own, _stub_params(own), unpacked, jax.random.PRNGKey(4), train=True)
+  obj(own, stub_params(own), unpacked, jax.random.PRNGKey(4), train=True)
   np.testing.assert_array_equal(np.asarray(calls.items[-1][1]),
                                 np.asarray([[1] * 13 + [0] * 3] * 4))
 
@@ -201,7 +150,7 @@ def test_default_weighting_is_the_1_over_t_loss_and_llada_is_a_removed_name():
 def test_loss_equals_a_numpy_computation_on_a_fixed_mask(monkeypatch, weighting):
   weights_bt = np.ones((2, 6), np.float32)
   weights_bt[1, 4:] = 0  # padding: never scored
-  batch = _batch(b=2, t=6, weights=weights_bt)
+  batch = batch_of(b=2, t=6, weights=weights_bt)
   masked_bt = np.asarray([[1, 0, 1, 0, 0, 1], [0, 1, 0, 0, 0, 0]], bool)
   t_b = np.asarray([0.4, 0.3], np.float32)  # "mdlm" weighs by 1/t; "llada_eval" by L/l
   monkeypatch.setattr(dl, "draw_masks", lambda *args, **kwargs: (
@@ -216,7 +165,7 @@ def test_loss_equals_a_numpy_computation_on_a_fixed_mask(monkeypatch, weighting)
 
   obj = MaskedDiffusion(mask_id=MASK, weighting=weighting, truncate_prob=0.0, z_loss=0.5)
   model = Fixed()
-  loss, metrics = obj(model, _stub_params(model), batch, jax.random.PRNGKey(5),
+  loss, metrics = obj(model, stub_params(model), batch, jax.random.PRNGKey(5),
                       train=True)
   x_btv = logits_btv.astype(np.float64)
   x_btv = x_btv - x_btv.max(-1, keepdims=True)
@@ -240,7 +189,7 @@ def test_loss_equals_a_numpy_computation_on_a_fixed_mask(monkeypatch, weighting)
 @pytest.mark.parametrize("weighting,force", [("mdlm", False), ("llada_eval", False)])
 def test_uniform_model_expected_loss_is_log_v(weighting, force):
   model = FixedLogits()
-  params, batch = _stub_params(model), _batch(b=8, t=64)
+  params, batch = stub_params(model), batch_of(b=8, t=64)
   obj = MaskedDiffusion(mask_id=MASK, weighting=weighting, force_one_mask=force)
   ce_loss = lambda r: obj(model, params, batch, r, train=True)[1]["ce_loss"]
   loss_fn = jax.jit(jax.vmap(ce_loss))
@@ -258,7 +207,7 @@ def test_gradients_flow_through_token_and_expert_choice_moe(tiny, expert_choice)
     model = Decoder(cfg)
     params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0),
                                           jnp.zeros((1, 16), jnp.int32)))["params"]
-  obj, batch = MaskedDiffusion(mask_id=MASK), _batch()
+  obj, batch = MaskedDiffusion(mask_id=MASK), batch_of()
   grads, metrics = jax.jit(jax.grad(
       lambda p: obj(model, p, batch, jax.random.PRNGKey(1), train=True),
       has_aux=True))(params)
@@ -271,7 +220,7 @@ def test_gradients_flow_through_token_and_expert_choice_moe(tiny, expert_choice)
 
 def test_elbo_is_seeded_exact_for_uniform_and_its_error_shrinks(tiny):
   model, params = tiny
-  batch = _batch(b=2, t=16)
+  batch = batch_of(b=2, t=16)
   a = diffusion_elbo(model, params, batch, jax.random.PRNGKey(0), 4, mask_id=MASK)
   b = diffusion_elbo(model, params, batch, jax.random.PRNGKey(0), 4, mask_id=MASK)
   assert a == b and np.isfinite(a["nelbo"])
@@ -279,141 +228,12 @@ def test_elbo_is_seeded_exact_for_uniform_and_its_error_shrinks(tiny):
   assert many["stderr"] < a["stderr"]
   np.testing.assert_allclose(many["perplexity_bound"], math.exp(many["nelbo"]))
   stub = FixedLogits()
-  uniform = diffusion_elbo(stub, _stub_params(stub), batch, jax.random.PRNGKey(1), 3,
+  uniform = diffusion_elbo(stub, stub_params(stub), batch, jax.random.PRNGKey(1), 3,
                            mask_id=MASK)
   np.testing.assert_allclose(uniform["nelbo"], math.log(V), rtol=1e-6)
-  mdlm = diffusion_elbo(stub, _stub_params(stub), _batch(b=8, t=64),
+  mdlm = diffusion_elbo(stub, stub_params(stub), batch_of(b=8, t=64),
                         jax.random.PRNGKey(1), 64, mask_id=MASK, estimator="mdlm")
   assert abs(mdlm["nelbo"] - math.log(V)) < 4 * mdlm["stderr"] + 0.02
-
-
-def test_transfer_schedule_spreads_tokens_evenly():
-  count_s, end_s = transfer_schedule(gen_length=8, steps=6, block_length=4)
-  assert list(count_s) == [2, 1, 1, 2, 1, 1] and list(end_s) == [4, 4, 4, 8, 8, 8]
-  with pytest.raises(ValueError, match="steps 3 must be a multiple of the number of "
-                     "blocks 2"):
-    transfer_schedule(gen_length=8, steps=3, block_length=4)
-  with pytest.raises(ValueError, match="gen_length 8 must be a multiple of block_length 3"):
-    transfer_schedule(gen_length=8, steps=8, block_length=3)
-  with pytest.raises(ValueError, match="5 steps per block exceed block_length 4"):
-    transfer_schedule(gen_length=8, steps=10, block_length=4)
-  for bad in ((0, 1, 1), (1, 0, 1), (1, 1, 0)):
-    with pytest.raises(ValueError, match="must be >= 1"):
-      transfer_schedule(*bad)
-  # One token a step at the most: 4 steps fill a block of 4, one token each.
-  assert list(transfer_schedule(4, 4, 4)[0]) == [1, 1, 1, 1]
-  # Blocks of one token: left to right, one a step (autoregressive order).
-  count_s, end_s = transfer_schedule(2, 2, 1)
-  assert list(count_s) == [1, 1] and list(end_s) == [1, 2]
-  with pytest.raises(ValueError, match=r"remasking='confident'; choose one of"):
-    sample_diffusion(None, None, [1, 2], gen_length=4, steps=4, remasking="confident",
-                     mask_id=0)
-
-
-def test_gumbel_sampling_matches_softmax():
-  logits_v = jnp.log(jnp.asarray([0.6, 0.3, 0.1]))
-  logits_btv = jnp.broadcast_to(logits_v, (1, 30000, 3))
-  tokens = np.asarray(gumbel_argmax(jax.random.PRNGKey(0), logits_btv, 1.0))
-  np.testing.assert_allclose(np.bincount(tokens[0], minlength=3) / 30000,
-                             [0.6, 0.3, 0.1], atol=0.01)
-  assert (np.asarray(gumbel_argmax(None, logits_btv, 0.0)) == 0).all()
-
-
-@pytest.mark.parametrize("remasking", ["low_confidence", "random"])
-def test_sampler_fills_blocks_left_to_right_on_schedule(tiny, remasking):
-  model, params = tiny
-  prompt = np.asarray([[9, 10, 11, MASK], [12, 13, 14, 15]])
-  kwargs = dict(gen_length=8, steps=6, block_length=4, remasking=remasking,
-                mask_id=MASK, vocab_limit=60)
-  out, hist = sample_diffusion(model, params, prompt, rng=jax.random.PRNGKey(0),
-                               temperature=1.0, return_history=True, **kwargs)
-  np.testing.assert_array_equal(out[:, :4], prompt)
-  assert not (out[:, 4:] == MASK).any() and (out < 60).all()
-  count_s, end_s = transfer_schedule(8, 6, 4)
-  masks_s = (hist[:, :, 4:] == MASK).sum(-1)
-  np.testing.assert_array_equal(masks_s, (8 - np.cumsum(count_s))[:, None].repeat(2, 1))
-  for s, end in enumerate(end_s):
-    assert (hist[s, :, 4 + end:] == MASK).all()
-  again = sample_diffusion(model, params, prompt, rng=jax.random.PRNGKey(0),
-                           temperature=1.0, **kwargs)
-  np.testing.assert_array_equal(out, again)
-
-
-class KnownConfidence(nn.Module):
-  """Stub decoder: position (b, t) predicts answer[b][t] with logit scale[b][t] (0
-  elsewhere), whatever the input, so its confidences are known in advance."""
-
-  answer: Any = None  # tuples of tuples: the sampler caches by model (hashable)
-  scale: Any = None
-
-  @nn.compact
-  def __call__(self, tokens_bt, **kwargs):
-    bias_v = self.param("bias", nn.initializers.zeros, (V,))
-    logits_btv = (jnp.asarray(self.scale)[..., None] * jax.nn.one_hot(
-        jnp.asarray(self.answer), V) + bias_v)
-    zero = jnp.zeros((), jnp.float32)
-    return logits_btv, {"aux_loss": zero, "lb_loss": zero, "z_loss": zero}
-
-
-def _llada_low_confidence(prompt_bp, logits_btv, gen_length, steps, block_length):
-  """NumPy LLaDA generate() at temperature 0 with low_confidence remasking for logits
-  that do not depend on the input: returns the positions committed at each step."""
-  b, p = prompt_bp.shape
-  x_bt = np.concatenate([prompt_bp, np.full((b, gen_length), MASK)], 1)
-  z_btv = logits_btv - logits_btv.max(-1, keepdims=True)
-  probs_btv = np.exp(z_btv) / np.exp(z_btv).sum(-1, keepdims=True)
-  x0_bt = probs_btv.argmax(-1)
-  x0_p_bt = probs_btv.max(-1)
-  per_block = steps // (gen_length // block_length)
-  committed = []
-  for block in range(gen_length // block_length):
-    end = p + (block + 1) * block_length
-    mask_num_b = (x_bt[:, end - block_length:end] == MASK).sum(1)
-    num_transfer_bs = np.repeat((mask_num_b // per_block)[:, None], per_block, 1)
-    for i in range(per_block):  # get_num_transfer_tokens: remainder on the first steps
-      num_transfer_bs[:, i] += i < mask_num_b % per_block
-    for i in range(per_block):
-      confidence_bt = np.where(x_bt == MASK, x0_p_bt, -np.inf)
-      confidence_bt[:, end:] = -np.inf
-      step = []
-      for r in range(b):
-        top = np.argsort(-confidence_bt[r], kind="stable")[:num_transfer_bs[r, i]]
-        x_bt[r, top] = x0_bt[r, top]
-        step.append(sorted(top.tolist()))
-      committed.append(step)
-  return committed, x_bt
-
-
-def test_low_confidence_remasking_commits_the_most_confident_masked_tokens():
-  b, p, gen_length, steps, block_length = 2, 3, 10, 4, 5  # 3 + 2 tokens per block
-  t = p + gen_length
-  rng = np.random.default_rng(0)
-  scale_bt = np.stack([rng.permutation(np.linspace(1.0, 6.0, t)) for _ in range(b)])
-  answer_bt = rng.integers(7, 60, (b, t))
-  model = KnownConfidence(answer=tuple(map(tuple, answer_bt.tolist())),
-                          scale=tuple(map(tuple, scale_bt.tolist())))
-  prompt_bp = np.asarray([[9, 10, 11], [12, 13, 14]])
-  out, hist = sample_diffusion(model, _stub_params(model), prompt_bp, gen_length=gen_length,
-                               steps=steps, block_length=block_length, mask_id=MASK,
-                               return_history=True)
-  logits_btv = scale_bt[..., None] * np.eye(V)[answer_bt]
-  expected, expected_out = _llada_low_confidence(prompt_bp, logits_btv, gen_length,
-                                                 steps, block_length)
-  before_sbt = np.concatenate([np.concatenate(
-      [prompt_bp, np.full((b, gen_length), MASK)], 1)[None], hist[:-1]])
-  got = [[np.flatnonzero((before_sbt[s, r] == MASK) & (hist[s, r] != MASK)).tolist()
-          for r in range(b)] for s in range(steps)]
-  assert got == expected
-  assert [len(c) for c in got[0]] == [3, 3] and [len(c) for c in got[1]] == [2, 2]
-  np.testing.assert_array_equal(out, expected_out)
-
-
-def test_greedy_low_confidence_sampling_ignores_the_seed(tiny):
-  model, params = tiny
-  run = lambda seed: sample_diffusion(
-      model, params, [9, 10, 11], gen_length=8, steps=8, block_length=8,
-      temperature=0.0, rng=jax.random.PRNGKey(seed), mask_id=MASK)
-  np.testing.assert_array_equal(run(0), run(1))
 
 
 def test_gin_file_builds_the_objective_with_the_vocabulary_mask():
@@ -452,11 +272,11 @@ def test_three_step_quickstart_run_with_diffusion(tmp_path):
 def test_only_training_batches_are_truncated():
   """truncate_prob 1: a training batch is cut (15 times in 16 to fewer than its 16
   positions; this key does), an evaluation batch never is."""
-  model, batch = FixedLogits(), _batch(b=4, t=16)
+  model, batch = FixedLogits(), batch_of(b=4, t=16)
   obj = MaskedDiffusion(mask_id=MASK, truncate_prob=1.0)
-  _, train_metrics = obj(model, _stub_params(model), batch, jax.random.PRNGKey(3),
+  _, train_metrics = obj(model, stub_params(model), batch, jax.random.PRNGKey(3),
                          train=True)
-  _, eval_metrics = obj(model, _stub_params(model), batch, jax.random.PRNGKey(3),
+  _, eval_metrics = obj(model, stub_params(model), batch, jax.random.PRNGKey(3),
                         train=False)
   assert float(train_metrics["num_tokens"]) < 64 == float(eval_metrics["num_tokens"])
 
@@ -467,16 +287,16 @@ def test_elbo_scores_loss_tokens_only_and_takes_a_single_sample():
   model = FixedLogits()
   weights = np.ones((2, 8), np.float32)
   weights[1, 5:] = 0
-  batch = _batch(b=2, t=8, weights=weights)
-  one = diffusion_elbo(model, _stub_params(model), batch, jax.random.PRNGKey(0), 1,
+  batch = batch_of(b=2, t=8, weights=weights)
+  one = diffusion_elbo(model, stub_params(model), batch, jax.random.PRNGKey(0), 1,
                        mask_id=MASK)
   assert one["num_tokens"] == 13 and math.isnan(one["stderr"])
   assert one["nelbo"] == pytest.approx(math.log(V), rel=1e-5)
-  two = diffusion_elbo(model, _stub_params(model), batch, jax.random.PRNGKey(0), 2,
+  two = diffusion_elbo(model, stub_params(model), batch, jax.random.PRNGKey(0), 2,
                        mask_id=MASK)
   assert two["stderr"] == pytest.approx(0.0, abs=1e-6)  # each sample is log V
   with pytest.raises(ValueError, match="num_samples must be >= 1, got 0"):
-    diffusion_elbo(model, _stub_params(model), batch, jax.random.PRNGKey(0), 0,
+    diffusion_elbo(model, stub_params(model), batch, jax.random.PRNGKey(0), 0,
                    mask_id=MASK)
   # The bound's default eps (for "mdlm" draws) is the training objective's.
   assert inspect.signature(diffusion_elbo).parameters["eps"].default == (
@@ -500,10 +320,10 @@ class _TrainFlag(nn.Module):
 def test_the_bound_runs_the_model_as_in_evaluation():
   """No router jitter, the evaluation capacity factor: train=False for the ELBO, as
   for the objective's own evaluation; train=True only for a training step."""
-  calls = _Calls()
-  model, batch = _TrainFlag(calls=calls), _batch(b=2, t=8)
-  diffusion_elbo(model, _stub_params(model), batch, jax.random.PRNGKey(0), 2,
+  calls = Calls()
+  model, batch = _TrainFlag(calls=calls), batch_of(b=2, t=8)
+  diffusion_elbo(model, stub_params(model), batch, jax.random.PRNGKey(0), 2,
                  mask_id=MASK)
-  MaskedDiffusion(mask_id=MASK)(model, _stub_params(model), batch,
+  MaskedDiffusion(mask_id=MASK)(model, stub_params(model), batch,
                                 jax.random.PRNGKey(0), train=True)
   assert calls.items == [False, True]

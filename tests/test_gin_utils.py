@@ -168,6 +168,34 @@ def test_import_configurables_default_list():
     assert gin.get_configurable(name)
 
 
+def test_import_configurables_registers_every_training_configurable_in_a_fresh_process():
+  """In a fresh interpreter, `import_configurables()` then a locked config then
+  `train`: the data pipeline, which `train` imports lazily, is registered before the
+  lock (it used to be imported only inside `train`, after the lock: "Attempted to add
+  a new configurable after the config was locked"). Every module with gin
+  configurables is imported, except openmoe-plan's own."""
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  code = textwrap.dedent("""
+      import pathlib, re, sys
+      from openmoe_jax import gin_utils
+      gin_utils.import_configurables()
+      gin_utils.parse_gin(["runs/quickstart.gin"], ["MODEL_DIR = '/tmp/unused'"])
+      for path in sorted(pathlib.Path("openmoe_jax").rglob("*.py")):
+        if re.search(r"@gin[.]configurable|gin[.]external_configurable", path.read_text()):
+          name = ".".join(path.with_suffix("").parts)
+          print(name, name in sys.modules)
+  """)
+  env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""),
+             JAX_PLATFORMS="cpu")
+  result = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  imported = dict(line.split() for line in result.stdout.splitlines())
+  assert "openmoe_jax.data.pipeline" in imported and "openmoe_jax.trainer" in imported
+  assert [name for name, seen in imported.items() if seen != "True"] == [
+      "openmoe_jax.plan"]
+
+
 def test_gin_config_dir_is_library_folder():
   found = gin_utils.gin_config_dir()
   package_dir = os.path.dirname(os.path.abspath(gin_utils.__file__))
