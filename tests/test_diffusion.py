@@ -137,6 +137,11 @@ def test_default_weighting_is_the_1_over_t_loss_and_llada_is_a_removed_name():
   assert obj.weighting == "mdlm" and not obj.force_one_mask
   assert obj.eps == 1e-3  # MDLM's: t ~ U(1e-3, 1) (REFERENCE.md)
   assert obj.truncate_prob == 0.01  # LLaDA: 1% of pretraining sequences cut short
+  assert MaskedDiffusion(mask_id=MASK, eps=0.0).eps == 0.0
+  for eps in (1.0, -0.1):
+    with pytest.raises(ValueError, match=f"MaskedDiffusion.eps must be in \\[0, 1\\), "
+                       f"got {eps}"):
+      MaskedDiffusion(mask_id=MASK, eps=eps)
   with pytest.raises(ValueError, match="'llada' was removed; use 'mdlm'.*'llada_eval'"):
     MaskedDiffusion(mask_id=MASK, weighting="llada")
   with pytest.raises(ValueError, match="'llada' was removed"):
