@@ -166,7 +166,7 @@ def test_loss_equals_a_numpy_computation_on_a_fixed_mask(monkeypatch, weighting)
     @nn.compact
     def __call__(self, tokens_bt, **kwargs):
       return jnp.asarray(logits_btv) + self.param("bias", nn.initializers.zeros, (V,)), {
-          "aux_loss": jnp.zeros(()), "lb_loss": jnp.zeros(()), "z_loss": jnp.zeros(())}
+          "aux_loss": jnp.float32(0.25), "lb_loss": jnp.zeros(()), "z_loss": jnp.zeros(())}
 
   obj = MaskedDiffusion(mask_id=MASK, weighting=weighting, truncate_prob=0.0, z_loss=0.5)
   model = Fixed()
@@ -185,7 +185,8 @@ def test_loss_equals_a_numpy_computation_on_a_fixed_mask(monkeypatch, weighting)
   lse_bt = np.log(np.exp(x_btv).sum(-1))
   z_loss = (lse_bt ** 2 * masked_bt).sum() / masked_bt.sum()
   np.testing.assert_allclose(float(metrics["logits_z_loss"]), z_loss, rtol=1e-5)
-  np.testing.assert_allclose(float(loss), expected + 0.5 * z_loss, rtol=1e-5)
+  # The loss adds the router losses (here 0.25) to the weighted CE and the z-loss.
+  np.testing.assert_allclose(float(loss), expected + 0.5 * z_loss + 0.25, rtol=1e-5)
   np.testing.assert_allclose(float(metrics["ce_loss"]), expected, rtol=1e-6)
   assert float(metrics["num_tokens"]) == 10
   np.testing.assert_allclose(float(metrics["mask_fraction"]), 4 / 10)
