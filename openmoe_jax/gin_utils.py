@@ -31,13 +31,12 @@ from gin import config_parser
 
 # What a program itself imports for its command-line bindings: the training entry
 # point, whose imports register the model (config, MoE routers and dispatchers),
-# objectives, optimizers, data pipeline, metrics, checkpoints and partitioning. Gin
-# files name the modules they configure with `import` lines of their own (t5x style).
-# Every module whose configurables the training gin files bind: the trainer (which
-# imports the model, routers, dispatchers, objectives and optimizers) and the data
-# pipeline (seqio tasks, UL2, sources), which the trainer imports only inside `train`
-# so that `Trainer` loads without TensorFlow; a gin config is locked by then, and
-# registering a configurable after that fails. openmoe-plan imports `plan` itself.
+# objectives, optimizers, metrics, checkpoints and partitioning, and the data
+# pipeline (seqio tasks, UL2, sources). The trainer imports the pipeline only inside
+# `train`, so that `Trainer` loads without TensorFlow; a gin config is locked by
+# then, and registering a configurable after that fails. openmoe-plan imports `plan`
+# itself. Gin files name the modules they configure with `import` lines of their
+# own (t5x style).
 CONFIGURABLE_MODULES = ("openmoe_jax.trainer", "openmoe_jax.data.pipeline")
 
 _QUOTED_OR_STRUCTURED = ("@", "%", "[", "(", "{", "'", '"')

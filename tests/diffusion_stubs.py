@@ -25,7 +25,7 @@ class Calls:
 
 class FixedLogits(nn.Module):
   """Stub decoder: logits = bias + 20 * one_hot(answer) (or uniform without answer);
-  records the tokens and segment ids it was called with."""
+  records the tokens, segment ids, attention kind and train flag of each call."""
 
   vocab: int = V
   answer_bt: Any = None
@@ -35,7 +35,7 @@ class FixedLogits(nn.Module):
   def __call__(self, tokens_bt, *, positions_bt=None, segment_ids_bt=None,
                prefix_bt=None, attention_kind="causal", train=False):
     if self.calls is not None:
-      self.calls.items.append((tokens_bt, segment_ids_bt, attention_kind))
+      self.calls.items.append((tokens_bt, segment_ids_bt, attention_kind, train))
     bias_v = self.param("bias", nn.initializers.zeros, (self.vocab,))
     logits_btv = jnp.broadcast_to(bias_v, tokens_bt.shape + (self.vocab,))
     if self.answer_bt is not None:

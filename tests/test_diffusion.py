@@ -2,7 +2,6 @@
 sampler: test_diffusion_sampling.py)."""
 import inspect
 import math
-from typing import Any
 
 import flax.linen as nn
 import gin
@@ -85,7 +84,7 @@ def test_model_sees_corrupted_targets_bidirectionally_and_predicts_its_own_token
   obj = MaskedDiffusion(mask_id=MASK, truncate_prob=0.0)
   own = FixedLogits(answer_bt=batch["decoder_target_tokens"], calls=calls)
   _, metrics = obj(own, stub_params(own), batch, jax.random.PRNGKey(4), train=True)
-  tokens_bt, segment_ids_bt, kind = calls.items[-1]
+  tokens_bt, segment_ids_bt, kind, _ = calls.items[-1]
   tokens_bt = np.asarray(tokens_bt)
   targets_bt = np.asarray(batch["decoder_target_tokens"])
   masked_bt = tokens_bt == MASK
@@ -309,27 +308,13 @@ def test_elbo_scores_loss_tokens_only_and_takes_a_single_sample():
       MaskedDiffusion().eps)
 
 
-class _TrainFlag(nn.Module):
-  """Stub decoder with uniform logits that records the `train` flag it is called with."""
-
-  calls: Any = None
-
-  @nn.compact
-  def __call__(self, tokens_bt, *, train=False, **kwargs):
-    self.calls.items.append(train)
-    bias_v = self.param("bias", nn.initializers.zeros, (V,))
-    zero = jnp.zeros((), jnp.float32)
-    return (jnp.broadcast_to(bias_v, tokens_bt.shape + (V,)),
-            {"aux_loss": zero, "lb_loss": zero, "z_loss": zero})
-
-
 def test_the_bound_runs_the_model_as_in_evaluation():
   """No router jitter, the evaluation capacity factor: train=False for the ELBO, as
   for the objective's own evaluation; train=True only for a training step."""
   calls = Calls()
-  model, batch = _TrainFlag(calls=calls), batch_of(b=2, t=8)
+  model, batch = FixedLogits(calls=calls), batch_of(b=2, t=8)
   diffusion_elbo(model, stub_params(model), batch, jax.random.PRNGKey(0), 2,
                  mask_id=MASK)
   MaskedDiffusion(mask_id=MASK)(model, stub_params(model), batch,
                                 jax.random.PRNGKey(0), train=True)
-  assert calls.items == [False, True]
+  assert [train for *_, train in calls.items] == [False, True]
