@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import gin
 
@@ -152,6 +152,11 @@ class ModelConfig:
     return tuple(
         bool(k) and i >= self.num_dense_first and i % k == k - 1
         for i in range(self.num_layers))
+
+  def moe_layer_numbers(self) -> List[int]:
+    """Returns the layer numbers (0-based) of the MoE layers, in order: the numbers
+    metrics (`moe/layer_<n>/...`), the routing analysis and summaries name them by."""
+    return [i for i, sparse in enumerate(self.sparse_layers()) if sparse]
 
   @property
   def expert_d_ff(self) -> int:

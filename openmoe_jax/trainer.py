@@ -439,7 +439,7 @@ def _stage_schedule(trainer: Trainer, stages: Sequence[Stage], host_passes, *, r
 
 def _print_model_summary(print_fn, cfg: ModelConfig, abstract_params, mesh):
   num = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params))
-  moe_layers = [i for i, sparse in enumerate(cfg.sparse_layers()) if sparse]
+  moe_layers = cfg.moe_layer_numbers()
   if moe_layers:
     kind = (f"MoE at layer{'s' if len(moe_layers) > 1 else ''} "
             f"{', '.join(map(str, moe_layers))}: {cfg.moe.num_experts} experts, "

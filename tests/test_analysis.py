@@ -14,7 +14,6 @@ from openmoe_jax import gin_utils
 from openmoe_jax.analysis import analyses, study
 from openmoe_jax.analysis.record import (RoutingRecord, _check_token_choice,
                                          make_routing_fn, record_routing)
-from openmoe_jax.analysis.routing import moe_layer_numbers
 from openmoe_jax.cli import analyze as cli
 from openmoe_jax.cli import flags
 from openmoe_jax.config import ModelConfig, MoeConfig
@@ -178,7 +177,7 @@ def test_recorder_agrees_with_the_model_routing_statistics(scan_layers):
                     scan_layers=scan_layers,
                     moe=MoeConfig(num_experts=4, group_size=32, min_capacity=1,
                                   capacity_factor_train=0.75))
-  assert moe_layer_numbers(cfg) == [3, 5]
+  assert cfg.moe_layer_numbers() == [3, 5]
   b, t = 4, 32
   tokens = jax.random.randint(jax.random.PRNGKey(1), (b, t), 1, 128)
   # Jitted: op by op, the unscanned init alone took about a minute on a slow CPU.

@@ -50,3 +50,16 @@ def test_build_model_config_rounds_the_task_vocabulary_up_or_checks_a_given_size
   with pytest.raises(ValueError, match=r"ModelConfig.vocab_size=299 is smaller than "
                      r"the task vocabulary \(300\)"):
     build_model_config(ModelConfig(vocab_size=299), 300)
+
+
+@pytest.mark.parametrize("fields, expected", [
+    # Every second layer from the first: layers 1, 3, 5 (OpenMoE's interval 2).
+    (dict(num_layers=6, sparse_interval=2), [1, 3, 5]),
+    # Interval 3 after 3 dense first layers: 2 is dense, then 5 and 8.
+    (dict(num_layers=9, sparse_interval=3, num_dense_first=3), [5, 8]),
+    (dict(num_layers=6, layer_pattern="DMDDMM"), [1, 4, 5]),
+    (dict(num_layers=3, sparse_interval=0), []),
+])
+def test_moe_layer_numbers_count_from_zero_in_layer_order(fields, expected):
+  cfg = ModelConfig(**fields)
+  assert cfg.moe_layer_numbers() == expected

@@ -1,4 +1,6 @@
 """Tiny runs on the embedded corpus: each objective lowers its validation loss."""
+import types
+
 import gin
 import pytest
 
@@ -37,6 +39,10 @@ def test_per_layer_moe_metrics_use_model_layer_numbers():
   cfg = ModelConfig(vocab_size=64, num_layers=4, sparse_interval=2)
   numbers = moe_layer_numbers(Decoder(cfg))
   assert numbers == [1, 3]  # what the analysis report calls them
+  # A model without a ModelConfig (a test stub, a bare module): no numbers, so
+  # moe_metrics counts the MoE layers instead.
+  assert moe_layer_numbers(object()) is None
+  assert moe_layer_numbers(types.SimpleNamespace(config={"num_layers": 4})) is None
   aux = {"aux_loss": 0.0, "lb_loss": 0.0, "z_loss": 0.0,
          "drop_fraction": jnp.array([0.1, 0.2]),
          "drop_fraction_first_quarter": jnp.array([0.0, 0.1]),

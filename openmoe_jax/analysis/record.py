@@ -16,7 +16,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from openmoe_jax.analysis.routing import flatten_routing, moe_layer_numbers
+from openmoe_jax.analysis.routing import flatten_routing
 from openmoe_jax.config import ModelConfig
 from openmoe_jax.model import Decoder
 
@@ -143,5 +143,5 @@ def record_routing(cfg: ModelConfig, params, batches_by_task: Dict[str, Iterable
       gate=np.concatenate(parts["gate"], axis=1).astype(np.float16),
       kept=np.concatenate(parts["kept"], axis=1).astype(bool),
       task_names=list(batches_by_task), num_experts=cfg.moe.num_experts,
-      sequence_length=int(seq_len), moe_layers=moe_layer_numbers(cfg),
+      sequence_length=int(seq_len), moe_layers=cfg.moe_layer_numbers(),
       step=step)

@@ -15,11 +15,6 @@ from openmoe_jax.model import layer_slots
 ROUTING_KEYS = ("expert_index", "gates", "kept")
 
 
-def moe_layer_numbers(cfg: ModelConfig) -> List[int]:
-  """Returns the model layer numbers (0-based) of the MoE layers, in order."""
-  return [i for i, sparse in enumerate(cfg.sparse_layers()) if sparse]
-
-
 def flatten_routing(intermediates: Mapping[str, Any], cfg: ModelConfig
                     ) -> Dict[str, jnp.ndarray]:
   """Returns {expert_index, gates, kept}, each [L_moe, b, t, k], in layer order.

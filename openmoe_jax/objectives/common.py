@@ -4,6 +4,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 
+from openmoe_jax.config import ModelConfig
+
 
 def weighted_cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array,
                            weights_bt: jax.Array, z_loss: float = 0.0
@@ -39,9 +41,7 @@ def moe_layer_numbers(model) -> Optional[List[int]]:
   """Returns the model layer numbers (0-based) of `model`'s MoE layers, in order,
   or None when the model carries no ModelConfig."""
   cfg = getattr(model, "config", None)
-  if cfg is None or not hasattr(cfg, "sparse_layers"):
-    return None
-  return [i for i, sparse in enumerate(cfg.sparse_layers()) if sparse]
+  return cfg.moe_layer_numbers() if isinstance(cfg, ModelConfig) else None
 
 
 def moe_metrics(aux: Dict[str, jax.Array], layer_numbers: Optional[Sequence[int]] = None
