@@ -318,3 +318,24 @@ def test_the_bound_runs_the_model_as_in_evaluation():
   MaskedDiffusion(mask_id=MASK)(model, stub_params(model), batch,
                                 jax.random.PRNGKey(0), train=True)
   assert [train for *_, train in calls.items] == [False, True]
+
+
+def test_a_batch_with_one_loss_token_scores_it_alone_at_t_1():
+  # Row 0 scores one token, row 1 none (all padding). llada_eval masks l ~ U{1..L}
+  # of L = 1 token: that token, t = l / L = 1, weight L / l = 1; an empty row gets
+  # t = 1 too (one token of none). A uniform model's CE on the token is log V, its
+  # logsumexp log V; every mean is over that one token (no guard of 1 shows through).
+  weights_bt = np.zeros((2, 8), np.float32)
+  weights_bt[0, 5] = 1
+  model = FixedLogits()
+  obj = MaskedDiffusion(mask_id=MASK, weighting="llada_eval", truncate_prob=0.0)
+  _, metrics = obj(model, stub_params(model), batch_of(b=2, t=8, weights=weights_bt),
+                   jax.random.PRNGKey(3), train=True)
+  m = {k: float(v) for k, v in metrics.items()}
+  assert m["num_tokens"] == 1 and m["mask_fraction"] == 1 and m["mean_t"] == 1
+  np.testing.assert_allclose(m["ce_loss"], math.log(V), rtol=1e-6)
+  np.testing.assert_allclose(m["logits_z_loss"], math.log(V) ** 2, rtol=1e-6)
+  bound = diffusion_elbo(model, stub_params(model), batch_of(b=2, t=8, weights=weights_bt),
+                         jax.random.PRNGKey(4), 2, mask_id=MASK)
+  assert bound["num_tokens"] == 1
+  np.testing.assert_allclose(bound["nelbo"], math.log(V), rtol=1e-6)
