@@ -209,10 +209,10 @@ def test_analyze_priority_flag_reroutes_token_choice_only():
   assert rerouted.moe.router.priority == "position_major"
   assert (rerouted.moe.router.capacity_per_choice
           == router_of(cfg.moe).capacity_per_choice)
-  assert cli.parse_args(["--model_dir=x", "--output=y", "--priority=position_major"]
-                        ).priority == "position_major"
+  assert cli.PROGRAM.parse(["--model_dir=x", "--output=y", "--priority=position_major"]
+                          )[0].priority == "position_major"
   with pytest.raises(flags.UsageError, match="priority"):
-    cli.parse_args(["--model_dir=x", "--output=y", "--priority=random"])
+    cli.PROGRAM.parse(["--model_dir=x", "--output=y", "--priority=random"])
   with pytest.raises(ValueError, match="token-choice"):
     study.with_priority(cfg.replace(moe=cfg.moe.replace(router=ExpertChoiceRouter())),
                       "position_major")

@@ -61,14 +61,6 @@ PROGRAM.add("--priority", default=None, choices=PRIORITIES,
                  "the same weights)")
 
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-  """Returns the parsed command line; raises flags.UsageError on bad input."""
-  args, _ = PROGRAM.parse(list(argv))
-  if not args.model_dir and not args.from_records:
-    raise flags.UsageError("give --model_dir (or --from_records)")
-  return args
-
-
 def _select_steps(available: List[int], spec: str) -> List[int]:
   if spec == "all":
     return list(available)
