@@ -122,3 +122,20 @@ def test_openmoe_presets_have_the_published_settings(name):
   assert (router.batch_prioritized, router.jitter_noise, router.dropless,
           router.capacity_per_choice, router.priority) == (
               False, 0.0, False, False, "choice_major")
+
+
+@pytest.mark.parametrize("gin_files,objective,weight", [
+    ((), "CausalLm", 1e-4),
+    (("objectives/ul2.gin",), "CausalLm", 1e-4),
+    (("objectives/masked_diffusion.gin",), "MaskedDiffusion", 0.0),
+], ids=["causal_lm", "ul2", "masked_diffusion"])
+def test_the_logits_z_loss_weight_of_each_objective(gin_files, objective, weight):
+  # REFERENCE.md, "Shared": OpenMoE's logits z-loss is 1e-4 (causal and UL2 stages
+  # alike); LLaDA's masked-diffusion loss is the plain weighted cross-entropy. Both
+  # the class default (a run built without gin) and the gin files say so.
+  from openmoe_jax import objectives  # pylint: disable=g-import-not-at-top
+  assert getattr(objectives, objective)().z_loss == weight
+  gin.clear_config()
+  gin_utils.import_configurables()
+  gin_utils.parse_gin(["runs/quickstart.gin", *gin_files], finalize=False)
+  assert gin.query_parameter(f"{objective}.z_loss") == weight
