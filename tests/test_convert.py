@@ -406,6 +406,38 @@ def test_openmoe_hf_config_carries_each_router_setting_under_its_own_field():
   assert openmoe_hf_config(dropless)["router_drop_tks"] is False
 
 
+# ColossalAI's config.json of the released OpenMoE Base (examples/language/openmoe/
+# model/openmoe_base_config.json), the fields we write, as it has them.
+RELEASED_BASE_CONFIG = {
+    "architectures": ["OpenMoeForCausalLM"],
+    "auto_map": {"AutoModelForCausalLM": "modeling_openmoe.OpenMoeForCausalLM"},
+    "attention_bias": False, "bos_token_id": 0, "dropout_rate": 0.0, "eos_token_id": 1,
+    "head_dim": 64, "hidden_act": "swiglu", "hidden_size": 768,
+    "initializer_range": 0.02, "intermediate_size": 2048, "layer_norm_epsilon": 1e-06,
+    "max_position_embeddings": 2048, "mlp_gated": True, "model_type": "llama",
+    "moe_layer_interval": 4, "num_attention_heads": 12, "num_experts": 16,
+    "num_hidden_layers": 12, "num_key_value_heads": 12, "pad_token_id": 0,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 10000.0, "router_aux_loss_factor": 0.01,
+    "router_capacity_factor_eval": 2.0, "router_capacity_factor_train": 1.25,
+    "router_drop_tks": True, "router_min_capacity": 4, "router_noisy_policy": None,
+    "router_topk": 2, "router_z_loss_factor": 0.0001, "tie_word_embeddings": False,
+    "torch_dtype": "float32", "use_cache": True, "vocab_size": 256384}
+# Its other fields are the port's own training switches, not the model's: enable_*,
+# expert_parallel, load_balance_*, its fine-tuning label_smoothing and z_loss_factor,
+# transformers_version.
+
+
+def test_openmoe_hf_config_of_the_base_preset_is_the_released_one():
+  gin.clear_config()
+  gin_utils.import_configurables()
+  gin_utils.parse_gin(["models/openmoe_base_16e.gin"], finalize=False)
+  config = openmoe_hf_config(ModelConfig())
+  gin.clear_config()
+  assert {k: (config[k], type(config[k])) for k in config} == {
+      k: (v, type(v)) for k, v in RELEASED_BASE_CONFIG.items()}
+
+
 @pytest.mark.parametrize("layers,interval", [
     # (sparse_interval, num_layers) of OpenMoE's presets: Base and 34B every 4th
     # layer, 8B every 6th (ColossalAI's moe_layer_interval).
