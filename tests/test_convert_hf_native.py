@@ -236,9 +236,11 @@ def test_broken_expert_lists_and_nonzero_selection_bias_are_refused():
   def load(changed):
     return import_hf_tensors(changed.__getitem__, list(changed), GLM4_CFG, GLM4_MOE,
                              shapes)
-  gap = {n: a for n, a in tensors.items() if ".experts.2." not in n}
-  with pytest.raises(ConversionError, match="expert 2 is missing"):
-    load(gap)
+  for missing in (2, 0):  # of 4: three left, which should be numbered 0..2
+    gap = {n: a for n, a in tensors.items() if f".experts.{missing}." not in n}
+    with pytest.raises(ConversionError, match=rf"not numbered 0\.\.2: expert {missing} "
+                       "is missing"):
+      load(gap)
   # Expert 1 differs: the message names it and expert 0's shape.
   odd = dict(tensors, **{"model.layers.1.mlp.experts.1.up_proj.weight":
                          np.zeros((8, 40), np.float32)})
