@@ -333,6 +333,19 @@ def test_config_special_tokens_are_our_data_pipelines_and_nothing_else_acts(
   assert config["tie_word_embeddings"] is False and config["attention_bias"] is False
 
 
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_config_run_time_switches_are_transformers_defaults(name):
+  """Switches that change what a loaded model returns or keeps, not its weights:
+  the values transformers' own config class starts with (an exported model
+  behaves like one built there)."""
+  _, cfg, model_cls, config_fn = CASES[name]
+  config, default = config_fn(cfg), model_cls.config_class()
+  switches = [k for k in ("output_router_logits", "use_cache", "use_sliding_window",
+                          "initializer_range") if hasattr(default, k)]
+  assert len(switches) >= 3, switches
+  assert {k: config[k] for k in switches} == {k: getattr(default, k) for k in switches}
+
+
 def test_the_gin_model_to_import_into_needs_a_file_and_a_vocabulary_size():
   """openmoe-convert from-hf / from-t5x build the model from gin: the task's
   vocabulary (rounded up to 128 rows), else ModelConfig.vocab_size, else a clear
