@@ -346,6 +346,19 @@ def test_config_run_time_switches_are_transformers_defaults(name):
   assert {k: config[k] for k in switches} == {k: getattr(default, k) for k in switches}
 
 
+def test_glm4_config_is_full_rotary_with_no_multi_token_prediction_layers():
+  config = hf_native.glm4_moe_hf_config(GLM4_CFG)
+  # transformers 4.x reads the top-level factor, 5.x the one in rope_parameters.
+  assert config["partial_rotary_factor"] == 1.0
+  assert config["rope_parameters"]["partial_rotary_factor"] == 1.0
+  # GLM checkpoints keep their multi-token-prediction layers after the others, as
+  # model.layers.{num_hidden_layers + j}: the export's layers are exactly the count.
+  names = [n for n, _ in export_hf_tensors(_random_params(GLM4_CFG), GLM4_CFG, GLM4_MOE)]
+  layers = {int(n.split(".")[2]) for n in names if n.startswith("model.layers.")}
+  assert layers == set(range(config["num_hidden_layers"]
+                             + config["num_nextn_predict_layers"]))
+
+
 def test_the_gin_model_to_import_into_needs_a_file_and_a_vocabulary_size():
   """openmoe-convert from-hf / from-t5x build the model from gin: the task's
   vocabulary (rounded up to 128 rows), else ModelConfig.vocab_size, else a clear
