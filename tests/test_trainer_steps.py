@@ -55,6 +55,39 @@ def test_microbatched_step_equals_full_batch_step():
   assert float(full_metrics["grad_norm"]) > 0
 
 
+def _one_loss_token(batch):
+  weights = np.zeros_like(batch["decoder_loss_weights"])
+  weights[3, 5] = 1
+  return dict(batch, decoder_loss_weights=weights)
+
+
+@pytest.mark.parametrize("make_batch", [_batch, lambda: _one_loss_token(_batch())],
+                         ids=["batch", "one_loss_token"])
+def test_a_step_descends_the_objectives_training_loss(make_batch):
+  """SGD at learning rate 1: the step's new parameters are the old ones minus the
+  gradient of the objective's loss in training mode (the training capacity factor,
+  1.0 here against 2.0 in evaluation, drops tokens), router losses included."""
+  model, objective = Decoder(CFG), CausalLm()
+  optimizer = optax.inject_hyperparams(optax.sgd)(learning_rate=1.0)
+  batch = jax.tree.map(jnp.asarray, make_batch())
+  params = nn.unbox(model.init(jax.random.PRNGKey(0), batch["decoder_input_tokens"])
+                    )["params"]
+  state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+  new_state, metrics = jax.jit(make_train_step(model, objective, optimizer))(
+      state, batch, jax.random.PRNGKey(1))
+
+  def loss(p, train):
+    return objective(model, p, batch, jax.random.PRNGKey(2), train=train)[0]
+  expected_loss, grads = jax.value_and_grad(loss)(params, True)
+  assert float(metrics["loss"]) == pytest.approx(float(expected_loss), rel=1e-6)
+  assert float(metrics["moe/drop_fraction"]) > 0.05
+  assert abs(float(loss(params, False)) - float(expected_loss)) > 1e-3
+  assert float(metrics["moe/aux_loss"]) > 1e-3  # the router losses are in the gradient
+  for new, old, grad in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(params),
+                            jax.tree.leaves(grads)):
+    np.testing.assert_allclose(new, old - grad, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("hosts,expected", [
     ("", False), ("10.0.0.2", False), ("10.0.0.2,10.0.0.3", True),
     ("WARNING: could not determine TPU worker hostnames or IP addresses, please set",
