@@ -37,6 +37,9 @@ def test_transfer_schedule_spreads_tokens_evenly():
   # Blocks of one token: left to right, one a step (autoregressive order).
   count_s, end_s = transfer_schedule(2, 2, 1)
   assert list(count_s) == [1, 1] and list(end_s) == [1, 2]
+  # The smallest answer, and one step that commits a whole answer at once.
+  assert [list(a) for a in transfer_schedule(1, 1, 1)] == [[1], [1]]
+  assert [list(a) for a in transfer_schedule(4, 1, 4)] == [[4], [4]]
   with pytest.raises(ValueError, match=r"remasking='confident'; choose one of"):
     sample_diffusion(None, None, [1, 2], gen_length=4, steps=4, remasking="confident",
                      mask_id=0)
