@@ -143,6 +143,22 @@ def test_low_confidence_remasking_commits_the_most_confident_masked_tokens():
   np.testing.assert_array_equal(out, expected_out)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_mask_and_ids_from_the_vocab_limit_on_are_never_sampled(temperature):
+  """The model's best guess is the mask id, the vocab limit itself or an id above it
+  (logit 50): the sampler takes id 2, the only other likely one (logit 1 against -100
+  for the rest), at any temperature."""
+  limit, gen_length = 40, 6
+  answer = [MASK, limit, V - 1] * 3
+  model = KnownConfidence(answer=(tuple(answer),), scale=((50.0,) * 9,))
+  banned = jnp.asarray([MASK, limit, V - 1])
+  params = {"bias": jnp.full((V,), -100.0).at[2].set(1.0).at[banned].set(0.0)}
+  out = sample_diffusion(model, params, [9, 10, 11], gen_length=gen_length,
+                         steps=gen_length, mask_id=MASK, vocab_limit=limit,
+                         temperature=temperature, rng=jax.random.PRNGKey(0))
+  assert out[0, 3:].tolist() == [2] * gen_length, out
+
+
 def test_greedy_low_confidence_sampling_ignores_the_seed(tiny):
   model, params = tiny
   run = lambda seed: sample_diffusion(
