@@ -88,6 +88,23 @@ def test_a_step_descends_the_objectives_training_loss(make_batch):
     np.testing.assert_allclose(new, old - grad, rtol=1e-5, atol=1e-7)
 
 
+def test_the_eval_step_routes_with_the_evaluation_capacity_factor():
+  """make_eval_step's metrics are the objective's with train=False (capacity factor
+  2.0), not the training step's (1.0: more tokens drop)."""
+  model, objective = Decoder(CFG), CausalLm()
+  batch = jax.tree.map(jnp.asarray, _batch())
+  params = nn.unbox(model.init(jax.random.PRNGKey(0), batch["decoder_input_tokens"])
+                    )["params"]
+  got = jax.jit(trainer_lib.make_eval_step(model, objective))(params, batch)
+  evaluation, training = (
+      objective(model, params, batch, jax.random.PRNGKey(3), train=train)[1]
+      for train in (False, True))
+  assert float(training["moe/drop_fraction"]) > float(
+      evaluation["moe/drop_fraction"]) + 0.05
+  for key in ("ce_loss", "moe/drop_fraction"):
+    assert float(got[key]) == pytest.approx(float(evaluation[key]), rel=1e-6), key
+
+
 @pytest.mark.parametrize("hosts,expected", [
     ("", False), ("10.0.0.2", False), ("10.0.0.2,10.0.0.3", True),
     ("WARNING: could not determine TPU worker hostnames or IP addresses, please set",
@@ -107,6 +124,9 @@ def test_stage_index_follows_the_schedule():
   from openmoe_jax.trainer import Stage, stage_index  # pylint: disable=g-import-not-at-top
   stages = (Stage(0, "a"), Stage(3, "b"), Stage(5, "c"))
   assert [stage_index(stages, s) for s in range(0, 8)] == [0, 0, 0, 0, 1, 1, 2, 2]
+  # A stage from step 1 on runs step 2 onwards: step 1 is the first stage's.
+  assert [stage_index((Stage(0, "a"), Stage(1, "b")), s) for s in range(4)] == [
+      0, 0, 1, 1]
 
 
 def _stage_batches(trained_batches, steps):
