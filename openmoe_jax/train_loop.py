@@ -72,6 +72,10 @@ class TrainLoop:
   `max_consecutive_skipped` (None: no limit) of them in a row raise
   TrainingDivergedError naming the steps and the newest checkpoint on disk.
 
+  `steps_before_data`: steps the state counts that drew no batch from this run's
+  data (a run started from a params export of step S: S); the data position saved
+  with the checkpoint of step n is n - steps_before_data batches.
+
   `mfu_meter` (a flops.MfuMeter, or None) adds `train/mfu` and the FLOPs per token to
   each log window and the MFU of the summary's tokens_per_sec as `summary["mfu"]`.
   A measured peak is measured again after each evaluation (outside the timed
@@ -82,8 +86,9 @@ class TrainLoop:
   def __init__(self, stage_for_step: Callable[[int], LoopStage], checkpointer, logger,
                print_fn: Callable[[str], None], tokens_per_batch: int,
                max_consecutive_skipped: Optional[int] = None, skipped_steps: int = 0,
-               mfu_meter: Any = None):
+               mfu_meter: Any = None, steps_before_data: int = 0):
     self.stage_for_step = stage_for_step
+    self.steps_before_data = steps_before_data
     self.mfu_meter = mfu_meter
     self.ckpt, self.logger, self.print_fn = checkpointer, logger, print_fn
     self.tokens_per_batch = tokens_per_batch
@@ -112,7 +117,7 @@ class TrainLoop:
 
   def _position(self, step: int) -> Dict[str, int]:
     """Returns the data position saved with the checkpoint of `step`."""
-    return {"train_batches": step, SKIPPED: self.skipped_total}
+    return {"train_batches": step - self.steps_before_data, SKIPPED: self.skipped_total}
 
   def _check_diverged(self, step: int) -> None:
     """Raises TrainingDivergedError when the consecutive skips reached the limit."""

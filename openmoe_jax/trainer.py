@@ -336,6 +336,9 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
       print_fn(f"Removed {path}: a checkpoint whose writing was interrupted")
     state, position = _initial_state(trainer, ckpt, model_dir, rng, print_fn)
     start = int(state.step)
+    # Steps the state counts that drew no batch from this run's data (a params
+    # export's step; 0 for a run started or resumed here).
+    steps_before_data = start - position["train_batches"]
     _print_model_summary(print_fn, cfg, trainer.abstract_state.params, mesh)
     if start >= train_steps:
       print_fn(f"Nothing to train: the run is at step {start} and TRAIN_STEPS is "
@@ -349,7 +352,8 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
     stage_for_step = _stage_schedule(
         trainer, stages, host_passes, rng=rng, seed=seed,
         trained_batches=position["train_batches"], eval_split=eval_split,
-        eval_batches=eval_batches, print_fn=print_fn)
+        eval_batches=eval_batches, print_fn=print_fn,
+        steps_before_data=steps_before_data)
     logger = MetricsLogger(model_dir, is_chief=jax.process_index() == 0)
     cleanup.callback(logger.close)
     # Rows past the step this run starts from belong to steps it will run again.
@@ -360,7 +364,8 @@ def train(model_dir: str = gin.REQUIRED, mixture_or_task_name: str = gin.REQUIRE
     loop = TrainLoop(stage_for_step, ckpt, logger, print_fn,
                      tokens_per_batch=batch_size * sequence_length, mfu_meter=meter,
                      max_consecutive_skipped=max_consecutive_skipped_steps,
-                     skipped_steps=position.get(SKIPPED, 0))
+                     skipped_steps=position.get(SKIPPED, 0),
+                     steps_before_data=steps_before_data)
     summary = loop.run(state, train_steps, eval_every_steps, log_every_steps)
     if ckpt.saving_in_progress():
       print_fn(f"Waiting for the checkpoint of step {summary['final_step']} to be "
@@ -407,20 +412,21 @@ def _initial_state(trainer: Trainer, ckpt: Checkpointer, model_dir: str,
 
 def _stage_schedule(trainer: Trainer, stages: Sequence[Stage], host_passes, *, rng, seed,
                     trained_batches: int, eval_split: str, eval_batches: int,
-                    print_fn) -> Callable[[int], LoopStage]:
+                    print_fn, steps_before_data: int = 0) -> Callable[[int], LoopStage]:
   """Returns stage_for_step(step) -> the LoopStage that runs training step `step`.
 
   A stage is built when its first step comes: its Trainer (train's, or one for the
-  stage's own objective), its training data, resumed past `trained_batches`, and its
-  eval data (`host_passes` builds the pipeline once; each evaluation starts a new
-  pass over the same batches).
+  stage's own objective), its training data, resumed past the batches it drew of
+  the `trained_batches` this run's data gave (steps after `steps_before_data`, the
+  step a params export started the run at), and its eval data (`host_passes` builds
+  the pipeline once; each evaluation starts a new pass over the same batches).
   """
   @functools.lru_cache(maxsize=None)
   def build(index: int) -> LoopStage:
     stage = stages[index]
     same = stage.objective is None or stage.objective is trainer.objective
     stage_trainer = trainer if same else trainer.with_objective(stage.objective)
-    skip = max(trained_batches - stage.start_step, 0)
+    skip = max(trained_batches - max(stage.start_step - steps_before_data, 0), 0)
     batches = host_passes(stage.mixture_or_task_name, seed=seed + index,
                           skip_batches=skip)()
     # Built once per stage: each evaluation replays the same batches.

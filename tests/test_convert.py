@@ -345,6 +345,9 @@ def test_training_continues_from_a_params_export(tmp_path):
   # The fresh optimizer state restarts the schedule (warmup: lr 0 at its first
   # step), so the second step moves the exported parameters.
   assert max(moved) > 0
+  # Steps 3 and 4 drew the first two batches of the data: a resume skips those two.
+  with open(os.path.join(export, "checkpoints", "4", "data_position", "metadata")) as f:
+    assert json.load(f)["train_batches"] == 2
 
 
 def test_an_export_is_never_overwritten_and_needs_both_parts(tmp_path):

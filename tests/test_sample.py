@@ -118,8 +118,19 @@ def test_top_p_keeps_the_nucleus_of_unsorted_logits():
   probabilities (0.05, 0.3, 0.5, 0.15) and top_p 0.7 the kept ids are 2 (0.5) and
   1 (0.3), whose mass before each is 0 and 0.5 (< 0.7)."""
   logits = jnp.log(jnp.asarray([0.05, 0.3, 0.5, 0.15]))
-  kept = np.isfinite(np.asarray(autoregressive.filter_top_p(logits, 0.7)))
-  assert kept.tolist() == [False, True, True, False]
+  filtered = np.asarray(autoregressive.filter_top_p(logits, 0.7))
+  np.testing.assert_array_equal(filtered, [-np.inf, logits[1], logits[2], -np.inf])
+
+
+def test_top_p_sampling_draws_from_the_nucleus_only():
+  """Probabilities (0.05, 0.3, 0.5, 0.15), top_p 0.7: 64 draws at temperature 1 are
+  ids 1 and 2 only, both of them, in about their renormalised shares (3:5)."""
+  model = _fixed_logits_stub(jnp.log(jnp.asarray([0.05, 0.3, 0.5, 0.15])))
+  ids = autoregressive.sample_autoregressive(
+      model, {}, [0], max_new_tokens=64, temperature=1.0, top_p=0.7,
+      rng=jax.random.PRNGKey(0), kv_cache=False)[1:]
+  counts = np.bincount(ids, minlength=4)
+  assert counts[0] == counts[3] == 0 and 12 <= counts[1] <= 36, counts
 
 
 class _StubLM:

@@ -207,6 +207,14 @@ def test_staged_training_switches_mixture_and_objective_and_resumes(tmp_path):
   lines = []
   train(print_fn=lines.append)
   assert any("Stage 1: local_text with CausalLm from step 2" in l for l in lines)
+  # Stage 0 trains the run's objective (logits z-loss 1e-4), stage 1 its own (0).
+  with open(os.path.join(straight, "metrics.jsonl")) as f:
+    rows = {r["step"]: r for r in map(json.loads, f) if "train/loss" in r}
+  for step, z_loss in ((1, 1e-4), (2, 1e-4), (3, 0.0), (4, 0.0)):
+    row = rows[step]
+    assert row["train/loss"] - row["train/ce_loss"] - row["moe/aux_loss"] == (
+        pytest.approx(z_loss * row["train/logits_z_loss"], abs=2e-5)), step
+  assert 1e-4 * rows[1]["train/logits_z_loss"] > 2e-4  # the two stages differ
   _configure(resumed, 2, stages)
   train(print_fn=lambda *_: None)
   _configure(resumed, 4, stages)

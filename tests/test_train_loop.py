@@ -69,6 +69,13 @@ def test_the_checkpoint_of_step_n_records_n_trained_batches():
   loop.run(TrainState(jnp.zeros((), jnp.int32), {}, ()), train_steps=3,
            eval_every=1000, log_every=10)
   assert positions == {3: {"train_batches": 3, "skipped_steps": 0}}
+  # A run that started from a params export of step 2 drew one batch a step after it.
+  positions.clear()
+  loop, _ = _counting_loop(lambda i: None, [], steps_before_data=2)
+  loop.ckpt = _PositionRecorder()
+  loop.run(TrainState(jnp.full((), 2, jnp.int32), {}, ()), train_steps=5,
+           eval_every=1000, log_every=10)
+  assert positions == {5: {"train_batches": 3, "skipped_steps": 0}}
 
 
 class _Recorder:

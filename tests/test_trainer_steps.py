@@ -129,9 +129,10 @@ def test_stage_index_follows_the_schedule():
       0, 0, 1, 1]
 
 
-def _stage_batches(trained_batches, steps):
+def _stage_batches(trained_batches, steps, steps_before_data=0):
   """Returns the batch each of `steps` trains on when the run resumes after
-  `trained_batches` steps, over three stages of labelled fake batches: (stage name,
+  `trained_batches` batches of its data (drawn by the steps after
+  `steps_before_data`), over three stages of labelled fake batches: (stage name,
   data seed, index of the batch in the stage's stream)."""
   from openmoe_jax.trainer import Stage, _stage_schedule  # pylint: disable=g-import-not-at-top
 
@@ -147,7 +148,8 @@ def _stage_batches(trained_batches, steps):
   stages = (Stage(0, "a"), Stage(3, "b"), Stage(5, "c"))
   schedule = _stage_schedule(_Trainer(), stages, host_passes, rng=None, seed=10,
                              trained_batches=trained_batches, eval_split="validation",
-                             eval_batches=1, print_fn=lambda *_: None)
+                             eval_batches=1, print_fn=lambda *_: None,
+                             steps_before_data=steps_before_data)
   return [next(schedule(step).batches) for step in steps]
 
 
@@ -157,6 +159,20 @@ def test_a_resumed_run_trains_on_the_batches_an_uninterrupted_one_would():
                   ("b", 11, 1), ("c", 12, 0), ("c", 12, 1), ("c", 12, 2)]
   for trained in range(1, 8):  # resumed after each step, in and between stages
     assert _stage_batches(trained, range(trained + 1, 9)) == full[trained:], trained
+
+
+@pytest.mark.parametrize("export_step", [2, 4])
+def test_a_run_from_a_params_export_resumes_on_the_batches_it_would_have_drawn(
+    export_step):
+  # Started at the export's step with no batch drawn: each stage's stream from its
+  # start (stage "b" from step 3 on, so from step 4 on an export of step 2 or 4).
+  full = _stage_batches(0, range(export_step + 1, 9), steps_before_data=export_step)
+  assert full[-4:] == [("b", 11, 0) if export_step == 4 else ("b", 11, 1),
+                       ("c", 12, 0), ("c", 12, 1), ("c", 12, 2)][-4:]
+  assert full[0] == (("a", 10, 0) if export_step == 2 else ("b", 11, 0))
+  for step in range(export_step + 1, 8):  # resumed after each step
+    drawn = step - export_step
+    assert _stage_batches(drawn, range(step + 1, 9), export_step) == full[drawn:], step
 
 
 def test_trainer_places_adam_moments_like_their_parameters():
