@@ -51,6 +51,10 @@ def test_gumbel_sampling_matches_softmax():
   tokens = np.asarray(gumbel_argmax(jax.random.PRNGKey(0), logits_btv, 1.0))
   np.testing.assert_allclose(np.bincount(tokens[0], minlength=3) / 30000,
                              [0.6, 0.3, 0.1], atol=0.01)
+  # Temperature 0.5 samples softmax(logits / 0.5), proportional to p^2.
+  tokens = np.asarray(gumbel_argmax(jax.random.PRNGKey(1), logits_btv, 0.5))
+  np.testing.assert_allclose(np.bincount(tokens[0], minlength=3) / 30000,
+                             np.asarray([0.36, 0.09, 0.01]) / 0.46, atol=0.01)
   assert (np.asarray(gumbel_argmax(None, logits_btv, 0.0)) == 0).all()
 
 
