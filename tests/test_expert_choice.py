@@ -124,8 +124,10 @@ def test_count_scaling_factors_hand_computed():
   np.testing.assert_allclose(routing.gates[0],
                              [[1.0, 0.0], [3 * 0.8 / 1.5, 3 * 0.7 / 1.5], [0.0, 1.0]],
                              rtol=1e-6)
-  with pytest.raises(ValueError, match="num_experts \\+ 1"):
-    expert_choice_routing(scores, 2, count_factors=(1.0, 1.0))
+  for factors in ((1.0, 1.0), (1.0, 1.0, 1.0, 1.0)):  # one too few, one too many
+    with pytest.raises(ValueError, match=f"needs num_experts \\+ 1 = 3 entries, got "
+                       f"{len(factors)}"):
+      expert_choice_routing(scores, 2, count_factors=factors)
 
 
 def test_tokenwise_lb_loss_is_one_uniform_and_larger_when_skewed():
