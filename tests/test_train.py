@@ -12,6 +12,7 @@ import pytest
 from openmoe_jax import gin_utils
 from openmoe_jax.cli import train as train_cli
 from openmoe_jax.trainer import train
+from run_files import logged_losses
 
 TINY_BINDINGS = [
     "ModelConfig.d_model = 32", "ModelConfig.num_heads = 2", "ModelConfig.head_dim = 16",
@@ -29,12 +30,6 @@ def _configure(model_dir, steps, extra=()):
                                        f"TRAIN_STEPS = {steps}"] + list(extra))
 
 
-def _train_losses(model_dir):
-  with open(os.path.join(model_dir, "metrics.jsonl")) as f:
-    rows = [json.loads(line) for line in f]
-  return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
-
-
 @pytest.mark.slow
 def test_resume_gives_exactly_the_uninterrupted_losses(tmp_path):
   common = ["train.checkpoint_every_steps = 2", "train.eval_every_steps = 100",
@@ -49,7 +44,7 @@ def test_resume_gives_exactly_the_uninterrupted_losses(tmp_path):
   lines = []
   summary = train(print_fn=lines.append)
   assert summary["start_step"] == 2 and any("Resumed from step 2" in l for l in lines)
-  expected, got = _train_losses(straight), _train_losses(resumed)
+  expected, got = logged_losses(straight), logged_losses(resumed)
   assert set(got) == {1, 2, 3, 4}
   for step in (3, 4):  # the steps after restore: same params, same data batches
     assert got[step] == expected[step]
@@ -221,7 +216,7 @@ def test_staged_training_switches_mixture_and_objective_and_resumes(tmp_path):
   lines = []
   train(print_fn=lines.append)
   assert not any("Stage 0" in l for l in lines)  # resumed straight into stage 1
-  expected, got = _train_losses(straight), _train_losses(resumed)
+  expected, got = logged_losses(straight), logged_losses(resumed)
   for step in (3, 4):
     assert got[step] == expected[step]
 
