@@ -170,6 +170,13 @@ def test_decoded_tokens_get_their_positions_with_and_without_the_kv_cache():
     assert got.tolist() == [7, 7, 7, 3, 4, 5, 6, 7, 8], cache
 
 
+def test_an_empty_prompt_starts_from_id_0_as_seqio_decoder_inputs_do():
+  for cache in (True, False):
+    got = autoregressive.sample_autoregressive(_next_position_stub(), {}, [],
+                                               max_new_tokens=3, kv_cache=cache)
+    assert got.tolist() == [0, 1, 2, 3], cache
+
+
 def test_decoded_tokens_stop_after_the_eos_id():
   """Decoding stops right after writing eos_id, which stays in the output: the
   stub writes 3, 4, 5, ... after a 3-token prompt, so eos_id 5 ends it there."""
