@@ -32,13 +32,17 @@ def _batch(b=8, t=16):
           "decoder_positions": np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))}
 
 
+def _init_params(model, batch):
+  return nn.unbox(model.init(jax.random.PRNGKey(0), batch["decoder_input_tokens"])
+                  )["params"]
+
+
 def test_microbatched_step_equals_full_batch_step():
   model = Decoder(CFG)
   optimizer = optax.inject_hyperparams(optax.sgd)(learning_rate=0.5)
   batch = jax.tree.map(jnp.asarray, _batch())
-  params = nn.unbox(model.init(jax.random.PRNGKey(0), batch["decoder_input_tokens"]))
-  state = TrainState(jnp.zeros((), jnp.int32), params["params"],
-                     optimizer.init(params["params"]))
+  params = _init_params(model, batch)
+  state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
   results = {}
   for k in (1, 2, 4):
     step = jax.jit(make_train_step(model, CausalLm(), optimizer, microbatches=k))
@@ -70,8 +74,7 @@ def test_a_step_descends_the_objectives_training_loss(make_batch):
   model, objective = Decoder(CFG), CausalLm()
   optimizer = optax.inject_hyperparams(optax.sgd)(learning_rate=1.0)
   batch = jax.tree.map(jnp.asarray, make_batch())
-  params = nn.unbox(model.init(jax.random.PRNGKey(0), batch["decoder_input_tokens"])
-                    )["params"]
+  params = _init_params(model, batch)
   state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
   new_state, metrics = jax.jit(make_train_step(model, objective, optimizer))(
       state, batch, jax.random.PRNGKey(1))
@@ -93,8 +96,7 @@ def test_the_eval_step_routes_with_the_evaluation_capacity_factor():
   2.0), not the training step's (1.0: more tokens drop)."""
   model, objective = Decoder(CFG), CausalLm()
   batch = jax.tree.map(jnp.asarray, _batch())
-  params = nn.unbox(model.init(jax.random.PRNGKey(0), batch["decoder_input_tokens"])
-                    )["params"]
+  params = _init_params(model, batch)
   got = jax.jit(trainer_lib.make_eval_step(model, objective))(params, batch)
   evaluation, training = (
       objective(model, params, batch, jax.random.PRNGKey(3), train=train)[1]
@@ -161,15 +163,16 @@ def test_a_resumed_run_trains_on_the_batches_an_uninterrupted_one_would():
     assert _stage_batches(trained, range(trained + 1, 9)) == full[trained:], trained
 
 
-@pytest.mark.parametrize("export_step", [2, 4])
+@pytest.mark.parametrize("export_step,expected", [
+    (2, [("a", 10, 0), ("b", 11, 0), ("b", 11, 1), ("c", 12, 0), ("c", 12, 1),
+         ("c", 12, 2)]),
+    (4, [("b", 11, 0), ("c", 12, 0), ("c", 12, 1), ("c", 12, 2)])])
 def test_a_run_from_a_params_export_resumes_on_the_batches_it_would_have_drawn(
-    export_step):
+    export_step, expected):
   # Started at the export's step with no batch drawn: each stage's stream from its
-  # start (stage "b" from step 3 on, so from step 4 on an export of step 2 or 4).
+  # own first batch (stage "b" runs steps 4-5, "c" steps 6-8).
   full = _stage_batches(0, range(export_step + 1, 9), steps_before_data=export_step)
-  assert full[-4:] == [("b", 11, 0) if export_step == 4 else ("b", 11, 1),
-                       ("c", 12, 0), ("c", 12, 1), ("c", 12, 2)][-4:]
-  assert full[0] == (("a", 10, 0) if export_step == 2 else ("b", 11, 0))
+  assert full == expected
   for step in range(export_step + 1, 8):  # resumed after each step
     drawn = step - export_step
     assert _stage_batches(drawn, range(step + 1, 9), export_step) == full[drawn:], step
