@@ -3,13 +3,14 @@
 Grouped matmul == jax.lax.ragged_dot; permute / combine == their XLA gathers (and
 the v3 "split" row layout == the default one); RaggedDispatcher(backend="pallas")
 == RaggedDispatcher(backend="padded") on a small routing, and inside a MoE layer on
-a 2-device mesh (the per-device shard_map path).
+a 2-device mesh (the per-device shard_map path, token groups split or whole).
 """
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec
 
 from openmoe_jax import partitioning
 from openmoe_jax.config import MoeConfig
@@ -17,6 +18,7 @@ from openmoe_jax.kernels import permute, permute_pallas
 from openmoe_jax.kernels.pallas_gmm import choose_tiling, pallas_gmm
 from openmoe_jax.kernels.target import compile_target, on_tpu, tpu_generation
 from openmoe_jax.moe.dispatch import ExpertWeights, RaggedDispatcher
+from openmoe_jax.moe.dispatch.primitives import group_spec
 from openmoe_jax.moe.layer import MoeLayer
 from openmoe_jax.moe.routers import top_k_capacity_routing
 
@@ -168,12 +170,15 @@ def test_ragged_pallas_matches_padded():
     _close(got, want, jnp.float32)
 
 
-def test_ragged_pallas_under_a_mesh_matches_padded():
-  """On a multi-device mesh the Pallas path runs per device under shard_map."""
+@pytest.mark.parametrize("batch", [2, 1], ids=["groups_split", "one_group"])
+def test_ragged_pallas_under_a_mesh_matches_padded(batch):
+  """On a multi-device mesh the Pallas path runs per device under shard_map: two
+  token groups split over the two devices; one group (the one-sequence batch of
+  initialisation) does not split and goes whole to each device."""
   layer = lambda dispatcher: MoeLayer(
       MoeConfig(num_experts=4, top_k=2, group_size=8, dispatcher=dispatcher),
       "swiglu", 16)
-  x = jax.random.normal(jax.random.PRNGKey(0), (2, 8, 8))
+  x = jax.random.normal(jax.random.PRNGKey(0), (batch, 8, 8))
   params = nn.unbox(jax.jit(lambda x: layer(RaggedDispatcher("padded")).init(
       jax.random.PRNGKey(1), x, train=False))(x))
 
@@ -193,6 +198,15 @@ def test_ragged_pallas_under_a_mesh_matches_padded():
       params, x)
   _close(y, y_ref, jnp.float32)
   jax.tree.map(lambda a, b: _close(a, b, jnp.float32), grads, grads_ref)
+
+
+def test_token_groups_split_over_the_batch_axes_only_when_they_divide():
+  mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  split = partitioning.logical_spec(mesh.axis_names, "expert_group")
+  assert split == PartitionSpec("data")
+  assert [group_spec(mesh, g) for g in (1, 2, 3, 4)] == [
+      PartitionSpec(), split, PartitionSpec(), split]
 
 
 def test_the_row_kernels_refuse_rows_they_cannot_move_by_name():
