@@ -34,6 +34,40 @@ def test_warmup_cosine_schedule_endpoints():
     optim.warmup_cosine_schedule(peak_lr=1e-3, warmup_steps=10, total_steps=10)
 
 
+def test_wsd_schedule_defaults_decay_the_last_tenth_to_zero():
+  lr = optim.wsd_schedule(1.0, warmup_steps=10, total_steps=100)
+  np.testing.assert_allclose([float(lr(s)) for s in (89, 90, 95, 100, 120)],
+                             [1.0, 1.0, 0.5, 0.0, 0.0], atol=1e-6)
+
+
+@pytest.mark.parametrize("fraction, warmup, refused", [
+    (0.1, 90, False), (0.1, 91, True), (1.0, 0, False), (1.0, 1, True),
+    (0.0, 0, True), (1.5, 0, True)])
+def test_wsd_schedule_needs_a_decay_fraction_in_0_1_and_warmup_before_the_decay(
+    fraction, warmup, refused):
+  build = lambda: optim.wsd_schedule(1.0, warmup, total_steps=100,
+                                     decay_fraction=fraction)
+  if not refused:
+    assert float(build()(100)) == 0.0
+    return
+  steps_before = 100 - int(round(100 * fraction))
+  with pytest.raises(ValueError, match=rf"warmup_steps \({warmup}\) <= the "
+                     rf"{steps_before} steps before the decay"):
+    build()
+
+
+@pytest.mark.parametrize("total, warmup, at_least, suggested", [
+    (10, 10, 11, 1), (50, 100, 101, 5), (9, 100, 101, 1)])
+def test_adamw_warmup_cosine_names_the_steps_and_a_warmup_that_fit(
+    total, warmup, at_least, suggested):
+  with pytest.raises(ValueError, match=rf"train at least {at_least} steps or lower the "
+                     rf"warmup, e.g. --gin.adamw_warmup_cosine.warmup_steps={suggested}\b"):
+    optim.adamw_warmup_cosine(total_steps=total, warmup_steps=warmup)
+  assert isinstance(optim.adamw_warmup_cosine(total_steps=warmup + 1,
+                                              warmup_steps=warmup),
+                    optax.GradientTransformation)
+
+
 def _quadratic_run(tx, steps=30):
   params = {"w": jnp.full((256, 160), 2.0), "b": jnp.full((160,), -1.0)}
   loss = lambda p: sum(jnp.sum(x ** 2) for x in jax.tree.leaves(p))
@@ -94,6 +128,13 @@ def test_learning_rate_without_injection_raises():
     optim.learning_rate(optax.sgd(0.1).init({"w": jnp.ones(2)}))
 
 
+def test_learning_rate_is_found_after_other_states_and_injections():
+  tx = optax.chain(optax.scale_by_adam(),
+                   optax.inject_hyperparams(optax.scale)(step_size=-2.0),
+                   optax.inject_hyperparams(optax.sgd)(learning_rate=0.25))
+  assert float(optim.learning_rate(tx.init({"w": jnp.ones(2)}))) == 0.25
+
+
 @pytest.mark.parametrize("build", [
     lambda: optim.adamw_warmup_cosine(peak_lr=0.1, warmup_steps=1, total_steps=30,
                                       weight_decay=0.2),
@@ -132,6 +173,42 @@ def _gradients(shapes, scales, seed=0):
           for scale in scales]
 
 
+def _numpy_adamw(params, grads, lrs, b1, b2, eps, wd, clip_norm):
+  """Returns the parameters after AdamW by the paper, in float64: bias-corrected
+  moments (their step count from 0), decoupled decay on matrices only, after
+  clipping the global gradient norm at clip_norm (None: no clipping); step t at
+  learning rate lrs[t]."""
+  ref = {k: v.astype(np.float64) for k, v in params.items()}
+  m = {k: np.zeros(v.shape) for k, v in params.items()}
+  v = {k: np.zeros(p.shape) for k, p in params.items()}
+  for t, (g, lr) in enumerate(zip(grads, lrs)):
+    norm = np.sqrt(sum((x.astype(np.float64) ** 2).sum() for x in g.values()))
+    clip = min(1.0, clip_norm / norm) if clip_norm and norm > 0 else 1.0
+    for k in params:
+      gk = g[k] * clip
+      m[k] = b1 * m[k] + (1 - b1) * gk
+      v[k] = b2 * v[k] + (1 - b2) * gk ** 2
+      step = (m[k] / (1 - b1 ** (t + 1))) / (np.sqrt(v[k] / (1 - b2 ** (t + 1))) + eps)
+      decay = wd * ref[k] if ref[k].ndim > 1 else 0.0
+      ref[k] = ref[k] - lr * (step + decay)
+  return ref
+
+
+def _run(tx, params, grads, start_count=0):
+  """Returns (params, learning rates) after tx's updates with `grads`, its schedule
+  started at step `start_count` (the inner optimizer's own counts start at 0)."""
+  state = tx.init(jax.tree.map(jnp.asarray, params))
+  at = lambda count: jnp.full_like(count, start_count)
+  state = state._replace(count=at(state.count), hyperparams_states={
+      k: s._replace(count=at(s.count)) for k, s in state.hyperparams_states.items()})
+  ours, lrs = jax.tree.map(jnp.asarray, params), []
+  for g in grads:
+    updates, state = tx.update(jax.tree.map(jnp.asarray, g), state, ours)
+    ours = optax.apply_updates(ours, updates)
+    lrs.append(float(optim.learning_rate(state)))
+  return ours, lrs
+
+
 @pytest.mark.parametrize("clip_norm", [1.0, None])
 def test_adamw_steps_equal_a_numpy_adamw_with_global_norm_clipping(clip_norm):
   """AdamW by the paper (bias-corrected moments, decoupled decay on matrices only)
@@ -146,60 +223,100 @@ def test_adamw_steps_equal_a_numpy_adamw_with_global_norm_clipping(clip_norm):
   grads = _gradients(shapes, [0.0, 3.0, 0.1, 1.5])
   params = {"w": np.linspace(-1, 1, 12).reshape(3, 4).astype(np.float32),
             "b": np.linspace(0.5, 2, 4).astype(np.float32)}
-  state = tx.init(jax.tree.map(jnp.asarray, params))
-  ours = jax.tree.map(jnp.asarray, params)
-  ref = {k: v.astype(np.float64) for k, v in params.items()}
-  m = {k: np.zeros(s) for k, s in shapes.items()}
-  v = {k: np.zeros(s) for k, s in shapes.items()}
-  for t, g in enumerate(grads):
-    updates, state = tx.update(jax.tree.map(jnp.asarray, g), state, ours)
-    ours = optax.apply_updates(ours, updates)
-    # optax's warmup + cosine: 0 at step 0, the peak at step 1, cosine to `end` at 5.
-    lr = 0.0 if t == 0 else end + (peak - end) * 0.5 * (1 + np.cos(np.pi * (t - 1) / 4))
-    norm = np.sqrt(sum((x.astype(np.float64) ** 2).sum() for x in g.values()))
-    clip = min(1.0, clip_norm / norm) if clip_norm and norm > 0 else 1.0
-    for k in shapes:
-      gk = g[k] * clip
-      m[k] = b1 * m[k] + (1 - b1) * gk
-      v[k] = b2 * v[k] + (1 - b2) * gk ** 2
-      step = (m[k] / (1 - b1 ** (t + 1))) / (np.sqrt(v[k] / (1 - b2 ** (t + 1))) + eps)
-      decay = wd * ref[k] if ref[k].ndim > 1 else 0.0
-      ref[k] = ref[k] - lr * (step + decay)
+  ours, _ = _run(tx, params, grads)
+  # optax's warmup + cosine: 0 at step 0, the peak at step 1, cosine to `end` at 5.
+  lrs = [0.0 if t == 0 else end + (peak - end) * 0.5 * (1 + np.cos(np.pi * (t - 1) / 4))
+         for t in range(len(grads))]
+  ref = _numpy_adamw(params, grads, lrs, b1, b2, eps, wd, clip_norm)
   for k in shapes:
     np.testing.assert_allclose(ours[k], ref[k], rtol=2e-5, atol=1e-6)
 
 
+def test_adamw_wsd_defaults_are_openmoe2s_recipe():
+  """REFERENCE.md's OpenMoE 2 recipe: lr 2e-4 -> 2e-5 by warmup-stable-decay (2000
+  warmup steps, the last 10% decaying), betas (0.9, 0.95), weight decay 0.1,
+  clipping at 1.0; eps 1e-8 as Adam's paper. The steps run in the stable phase (step
+  5000 of 20000); one parameter's gradients are of the order of eps, where eps
+  decides the step."""
+  tx = optim.adamw_wsd(total_steps=20000)
+  rates = [_run(tx, {"w": np.ones((2, 2), np.float32)}, [{"w": np.ones((2, 2))}],
+                start_count=step)[1][0]
+           for step in (0, 1000, 2000, 17999, 18000, 19000, 20000, 30000)]
+  np.testing.assert_allclose(
+      rates, [0.0, 1e-4, 2e-4, 2e-4, 2e-4, 1.1e-4, 2e-5, 2e-5], rtol=1e-5, atol=1e-12)
+  shapes = {"w": (3, 4), "b": (4,), "tiny": (3,)}
+  grads = _gradients(shapes, [3.0, 0.1, 1.5])
+  for g in grads:  # global norms 13, 0.44 and 6.5; the tiny gradients ~1e-8
+    g["tiny"] = g["tiny"] * np.float32(1e-8)
+  params = {"w": np.linspace(-1, 1, 12).reshape(3, 4).astype(np.float32),
+            "b": np.linspace(0.5, 2, 4).astype(np.float32),
+            "tiny": np.zeros(3, np.float32)}
+  ours, lrs = _run(tx, params, grads, start_count=5000)
+  assert lrs == pytest.approx([2e-4] * 3)
+  ref = _numpy_adamw(params, grads, [2e-4] * 3, b1=0.9, b2=0.95, eps=1e-8, wd=0.1,
+                     clip_norm=1.0)
+  for k in shapes:  # the moves, ~6e-4, to 0.1% (float32 parameters near 1)
+    np.testing.assert_allclose(np.asarray(ours[k], np.float64) - params[k],
+                               ref[k] - params[k], rtol=1e-3, atol=1e-9)
+
+
+def _numpy_adafactor(params, grads, lrs, decay_rate, threshold, min_dim):
+  """Returns the parameters after Adafactor by the paper, as t5x configures it, in
+  float64: second moments decaying with 1 - (t + 1)^-decay_rate, factored into row
+  and column means for a matrix whose two dimensions reach min_dim (full otherwise),
+  the update's RMS clipped at the threshold, scaled by the parameter's RMS (at least
+  1e-3) and the learning rate lrs[t]."""
+  eps1 = 1e-30
+  ref = {k: v.astype(np.float64) for k, v in params.items()}
+  factored = {k: v.ndim == 2 and min(v.shape) >= min_dim for k, v in params.items()}
+  row = {k: np.zeros(v.shape[0]) for k, v in params.items() if factored[k]}
+  col = {k: np.zeros(v.shape[1]) for k, v in params.items() if factored[k]}
+  full = {k: np.zeros(v.shape) for k, v in params.items() if not factored[k]}
+  for t, (g, lr) in enumerate(zip(grads, lrs)):
+    beta = 1.0 - (t + 1.0) ** -decay_rate
+    for k in params:
+      g2 = g[k].astype(np.float64) ** 2 + eps1
+      if factored[k]:
+        row[k] = beta * row[k] + (1 - beta) * g2.mean(axis=1)
+        col[k] = beta * col[k] + (1 - beta) * g2.mean(axis=0)
+        v_hat = np.outer(row[k], col[k]) / row[k].mean()
+      else:
+        full[k] = v_hat = beta * full[k] + (1 - beta) * g2
+      u = g[k] / np.sqrt(v_hat)
+      clipped = u / max(1.0, np.sqrt(np.mean(u ** 2)) / threshold)
+      scale = max(np.sqrt(np.mean(ref[k] ** 2)), 1e-3)
+      ref[k] = ref[k] - lr * scale * clipped
+  return ref
+
+
 def test_adafactor_steps_equal_a_numpy_adafactor():
-  """Adafactor by the paper, as t5x configures it: second moments decaying with
-  1 - (t + 1)^-decay_rate, factored into row and column means for a matrix whose
-  two dimensions reach min_dim_size_to_factor (full for a vector), the update's RMS
-  clipped at the threshold, scaled by the parameter's RMS (at least 1e-3) and the
-  rsqrt learning rate."""
-  decay_rate, threshold, lr0, eps1 = 0.5, 0.5, 0.05, 1e-30
+  decay_rate, threshold, lr0 = 0.5, 0.5, 0.05
   tx = optim.adafactor_openmoe(learning_rate=lr0, warmup_steps=1, decay_rate=decay_rate,
                                clipping_threshold=threshold, min_dim_size_to_factor=4)
   shapes = {"w": (4, 6), "b": (5,)}
   grads = _gradients(shapes, [1.0, 0.5, 2.0], seed=1)
   params = {"w": np.linspace(-2, 2, 24).reshape(4, 6).astype(np.float32),
             "b": np.full((5,), 1e-4, np.float32)}  # RMS below 1e-3: the floor applies
-  state = tx.init(jax.tree.map(jnp.asarray, params))
-  ours = jax.tree.map(jnp.asarray, params)
-  ref = {k: v.astype(np.float64) for k, v in params.items()}
-  row, col, full = np.zeros(4), np.zeros(6), np.zeros(5)
-  for t, g in enumerate(grads):
-    updates, state = tx.update(jax.tree.map(jnp.asarray, g), state, ours)
-    ours = optax.apply_updates(ours, updates)
-    beta = 1.0 - (t + 1.0) ** -decay_rate
-    lr = lr0 * np.sqrt(1.0 / max(t, 1))
-    g2_w, g2_b = g["w"].astype(np.float64) ** 2 + eps1, g["b"].astype(np.float64) ** 2 + eps1
-    row = beta * row + (1 - beta) * g2_w.mean(axis=1)
-    col = beta * col + (1 - beta) * g2_w.mean(axis=0)
-    full = beta * full + (1 - beta) * g2_b
-    v_hat = np.outer(row, col) / row.mean()
-    u = {"w": g["w"] / np.sqrt(v_hat), "b": g["b"] / np.sqrt(full)}
-    for k in shapes:
-      clipped = u[k] / max(1.0, np.sqrt(np.mean(u[k] ** 2)) / threshold)
-      scale = max(np.sqrt(np.mean(ref[k] ** 2)), 1e-3)
-      ref[k] = ref[k] - lr * scale * clipped
+  ours, _ = _run(tx, params, grads)
+  lrs = [lr0 * np.sqrt(1.0 / max(t, 1)) for t in range(len(grads))]
+  ref = _numpy_adafactor(params, grads, lrs, decay_rate, threshold, min_dim=4)
   for k in shapes:
     np.testing.assert_allclose(ours[k], ref[k], rtol=2e-5, atol=1e-9)
+
+
+def test_adafactor_openmoe_defaults_are_openmoes_t5x_settings():
+  """REFERENCE.md: decay rate 0.8, lr 0.01 for 10k warmup steps, then 1/sqrt(step);
+  t5x's Adafactor defaults: clipping at 1.0, factored from dimensions of 128, scaled
+  by the parameter's RMS. A [128, 129] matrix is factored, a [127, 129] one not."""
+  tx = optim.adafactor_openmoe()
+  one = {"w": np.ones((2, 2), np.float32)}
+  assert _run(tx, one, [one], start_count=40000)[1] == pytest.approx([0.005], rel=1e-6)
+  shapes = {"w": (128, 129), "u": (127, 129), "b": (5,)}
+  grads = _gradients(shapes, [1.0, 0.5, 2.0], seed=2)
+  params = {k: np.linspace(-2, 2, np.prod(s)).reshape(s).astype(np.float32)
+            for k, s in shapes.items()}
+  ours, lrs = _run(tx, params, grads)
+  assert lrs == pytest.approx([0.01] * 3)
+  ref = _numpy_adafactor(params, grads, lrs, decay_rate=0.8, threshold=1.0, min_dim=128)
+  for k in shapes:
+    np.testing.assert_allclose(ours[k], ref[k], rtol=2e-5, atol=1e-6)
