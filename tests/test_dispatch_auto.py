@@ -63,6 +63,30 @@ def test_choice_per_platform_and_size():
     assert auto.choose(256, 8, 256, 2) == AllToAllDispatcher(buffer_dispatcher=SortDispatcher())
 
 
+def test_cpu_limits_are_inclusive():
+  """einsum up to 16 experts and s x E x C = 2^20 elements, both included; dropless
+  (block) only when E x C exceeds twice the s x k choices."""
+  auto = AutoDispatcher()
+  assert auto.choose(256, 16, 40, 2) == EinsumDispatcher()
+  assert auto.choose(256, 17, 40, 2) == SortDispatcher()
+  assert auto.choose(1024, 16, 64, 2) == EinsumDispatcher()  # 1024 x 16 x 64 = 2^20
+  assert auto.choose(1024, 16, 65, 2) == SortDispatcher()
+  assert auto.choose(1024, 64, 64, 2) == SortDispatcher()  # E C = 2 s k: capacity
+  assert auto.choose(1024, 64, 65, 2) == BlockDispatcher()  # dropless
+
+
+def test_the_call_passes_the_routing_shapes_to_choose(monkeypatch):
+  seen = []
+  monkeypatch.setattr(AutoDispatcher, "choose",
+                      lambda self, *args: seen.append(args) or SortDispatcher())
+  g, s, d, num_experts, k, capacity = 3, 8, 4, 5, 2, 6
+  probs = jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(1), (g, s, num_experts)))
+  w = jax.numpy.ones((num_experts, d, d))
+  AutoDispatcher()(jax.numpy.ones((g, s, d)), top_k_capacity_routing(probs, k, capacity),
+                   ExpertWeights(wi_0=w, wi_1=w, wo=w, kind="swiglu"))
+  assert seen == [(s, num_experts, capacity, k, g)]
+
+
 def test_gpu_picks_sort_for_capacity_and_ragged_dot_for_dropless(monkeypatch):
   """The fastest of each kind on an H200 (module docstring): sort for capacity
   routing, even where the CPU picks einsum or block; lax.ragged_dot for dropless."""
@@ -75,11 +99,13 @@ def test_gpu_picks_sort_for_capacity_and_ragged_dot_for_dropless(monkeypatch):
       # Dropless: E x C over twice the s x k choices.
       assert auto.choose(4096, 64, 4096, 2) == RaggedDispatcher("ragged_dot"), kind
   # A faked GPU backend (no compile target) picks the same.
-  gpu = type("FakeGpu", (), {"platform": "gpu", "device_kind": "NVIDIA H200"})()
-  with monkeypatch.context() as m:
-    m.setattr(jax, "devices", lambda *a: [gpu])
-    assert auto.choose(256, 8, 40, 2) == SortDispatcher()
-    assert auto.choose(256, 8, 256, 2) == RaggedDispatcher("ragged_dot")
+  # So does a GPU whose device_kind names no vendor (e.g. an older "Quadro").
+  for kind in ("NVIDIA H200", "Quadro RTX 8000"):
+    gpu = type("FakeGpu", (), {"platform": "gpu", "device_kind": kind})()
+    with monkeypatch.context() as m:
+      m.setattr(jax, "devices", lambda *a: [gpu])
+      assert auto.choose(256, 8, 40, 2) == SortDispatcher(), kind
+      assert auto.choose(256, 8, 256, 2) == RaggedDispatcher("ragged_dot"), kind
   assert auto.choose(256, 8, 40, 2) == EinsumDispatcher()  # back on the CPU
   # Experts split over devices: the GPU keeps the capacity / padded rules.
   expert_mesh = jax.make_mesh((2, 2), ("data", "expert"), devices=jax.devices()[:4],
