@@ -357,3 +357,37 @@ def test_unscaled_attention_logits_fold_the_scale_into_the_query_init(scale_logi
   assert std_k == pytest.approx(d ** -0.5, rel=0.03)
   want = d ** -0.5 if scale_logits else (d * head_dim) ** -0.5
   assert std_q == pytest.approx(want, rel=0.03)
+
+
+def test_every_weight_starts_at_t5s_fan_in_scale():
+  """T5 / flaxformer initialisation: each kernel normal(fan_in^-1/2), the fan-in
+  being what its product contracts (d for wi_0, wi_1, query, key, value and the head;
+  d_ff or the expert's d_ff for wo; heads x head_dim for the attention output); the
+  embedding normal(emb_init_std = 1.0), the router normal(0.02) (REFERENCE.md), norm
+  scales ones. Every leaf is named here, so a new parameter must be added."""
+  d, heads, head_dim, d_ff, expert_d_ff = 128, 4, 16, 256, 64
+  cfg = ModelConfig(vocab_size=512, d_model=d, num_heads=heads, head_dim=head_dim,
+                    d_ff=d_ff, num_layers=2, sparse_interval=2,
+                    moe=MoeConfig(num_experts=16, expert_d_ff=expert_d_ff,
+                                  group_size=4096, min_capacity=64))
+  params = _init(cfg, jnp.zeros((1, 8), jnp.int32))["params"]
+  want = {"embedding": 1.0, "head": d ** -0.5, "key": d ** -0.5, "value": d ** -0.5,
+          "query": d ** -0.5 if cfg.scale_attention_logits else (d * head_dim) ** -0.5,
+          "out": (heads * head_dim) ** -0.5, "wi_0": d ** -0.5, "wi_1": d ** -0.5,
+          "w": 0.02}
+  seen = set()
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    names = [p.key for p in path]
+    name = names[-1]
+    if name == "scale":
+      np.testing.assert_array_equal(leaf, np.ones_like(leaf))
+      continue
+    if name == "wo":
+      expected = (expert_d_ff if "experts" in names else d_ff) ** -0.5
+    else:
+      expected = want[name]
+    assert float(np.std(leaf)) == pytest.approx(expected, rel=0.05), names
+    assert abs(float(np.mean(leaf))) < 0.05 * expected, names
+    seen.add(("experts" in names, name))
+  assert {name for _, name in seen} == set(want) | {"wo"}
+  assert (True, "wo") in seen and (False, "wo") in seen
