@@ -130,7 +130,15 @@ def test_two_steps_of_each_arm(arm, tmp_path, capsys):
   if arm == "upcycled":
     # It starts from the trained dense arm: near its final loss (not equal: routing
     # picks slices at gates near, not exactly, 1/4 each).
-    assert (tmp_path / "upcycled" / "upcycle.json").exists()
+    summary = json.loads((tmp_path / "upcycled" / "upcycle.json").read_text())
+    assert {k: summary[k] for k in ("dense_step", "num_experts", "expert_d_ff",
+                                    "slices_per_ffn", "moe_layers")} == {
+        "dense_step": 2, "num_experts": 16, "expert_d_ff": 128, "slices_per_ffn": 4,
+        "moe_layers": 4}  # experiments/openmoe2/upcycled.gin: d_ff 512 = 4 x 128
+    # The upcycled step-0 checkpoint has drawn no batch: step 2 drew two.
+    position = (tmp_path / "upcycled" / "checkpoints" / "2" / "data_position" /
+                "metadata")
+    assert json.loads(position.read_text())["train_batches"] == 2
     assert rows[1]["first_val_loss"] == pytest.approx(rows[0]["val_loss"], abs=0.3)
 
 

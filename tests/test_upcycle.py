@@ -1,4 +1,6 @@
 """Sparse upcycling: dense FFNs become experts that reproduce the dense model."""
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -84,9 +86,12 @@ def test_incompatible_models_are_refused():
   with pytest.raises(ValueError, match="the dense checkpoint has MoE layers; upcycling "
                      "needs a dense model"):
     upcycle_params(_init(half, 0), half, _init(moe, 1), moe)
-  with pytest.raises(ValueError, match="to divide num_experts"):
-    split_ffn_into_experts(get_layer(dense, layer_slots(DENSE)[0])["mlp"],
-                           "swiglu", 4, 3)  # 8 slices of 3 cannot fill 4 experts
+  mlp = get_layer(dense, layer_slots(DENSE)[0])["mlp"]
+  for expert_d_ff, slices in [(3, "8"), (5, "4.8")]:  # neither fills 4 experts
+    with pytest.raises(ValueError, match=re.escape(
+        f"a dense FFN of d_ff 24 into 4 experts of {expert_d_ff}: need expert_d_ff to "
+        f"divide d_ff and d_ff / expert_d_ff ({slices}) to divide num_experts")):
+      split_ffn_into_experts(mlp, "swiglu", 4, expert_d_ff)
 
 
 def test_norm_scales_are_copied_to_their_own_places():
