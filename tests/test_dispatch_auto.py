@@ -15,6 +15,12 @@ from openmoe_jax.moe.layer import dispatcher_of
 from openmoe_jax.moe.routers import expert_capacity, top_k_capacity_routing
 
 
+def _expert_mesh():
+  """4 devices: token groups split over 'data' (2), experts over 'expert' (2)."""
+  return jax.make_mesh((2, 2), ("data", "expert"), devices=jax.devices()[:4],
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
 def test_moe_config_defaults_to_auto():
   assert MoeConfig().dispatcher is None
   assert isinstance(dispatcher_of(MoeConfig()), AutoDispatcher)
@@ -41,8 +47,7 @@ def test_choice_per_platform_and_size():
     with compile_target(kind):
       assert auto.choose(256, 8, 40, 2) == RaggedDispatcher("pallas")
   assert AutoDispatcher(einsum_max_elements=0).choose(256, 8, 40, 2) == SortDispatcher()
-  expert_mesh = jax.make_mesh((2, 2), ("data", "expert"), devices=jax.devices()[:4],
-                              axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  expert_mesh = _expert_mesh()
   data_mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4],
                             axis_types=(jax.sharding.AxisType.Auto,))
   # CPU, experts split over devices (GSPMD): the buffers that carry the sharding.
@@ -108,8 +113,7 @@ def test_gpu_picks_sort_for_capacity_and_ragged_dot_for_dropless(monkeypatch):
       assert auto.choose(256, 8, 256, 2) == RaggedDispatcher("ragged_dot"), kind
   assert auto.choose(256, 8, 40, 2) == EinsumDispatcher()  # back on the CPU
   # Experts split over devices: the GPU keeps the capacity / padded rules.
-  expert_mesh = jax.make_mesh((2, 2), ("data", "expert"), devices=jax.devices()[:4],
-                              axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  expert_mesh = _expert_mesh()
   with compile_target("NVIDIA H100 80GB HBM3"), partitioning.activate(expert_mesh):
     assert auto.choose(1024, 64, 40, 2) == SortDispatcher()
 
@@ -134,8 +138,7 @@ def test_tpu_v4_is_the_first_generation_with_the_ragged_exchange():
   """Dropless routing with experts split over devices: v4 and later exchange exact
   row counts (ragged_all_to_all), v3 keeps the fixed-capacity all_to_all."""
   auto = AutoDispatcher()
-  expert_mesh = jax.make_mesh((2, 2), ("data", "expert"), devices=jax.devices()[:4],
-                              axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  expert_mesh = _expert_mesh()
   for kind in ("TPU v4", "TPU v5 lite", "TPU v6 lite"):
     with compile_target(kind), partitioning.activate(expert_mesh):
       assert auto.choose(256, 8, 256, 2) == RaggedAllToAllDispatcher(

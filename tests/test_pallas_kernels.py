@@ -170,6 +170,11 @@ def test_ragged_pallas_matches_padded():
     _close(got, want, jnp.float32)
 
 
+def _two_device_mesh():
+  return jax.make_mesh((2,), ("data",), devices=jax.devices()[:2],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+
+
 @pytest.mark.parametrize("batch", [2, 1], ids=["groups_split", "one_group"])
 def test_ragged_pallas_under_a_mesh_matches_padded(batch):
   """On a multi-device mesh the Pallas path runs per device under shard_map: two
@@ -188,8 +193,7 @@ def test_ragged_pallas_under_a_mesh_matches_padded(batch):
       return jnp.sum(y * jnp.cos(y)) + aux["lb_loss"], y
     return jax.jit(jax.value_and_grad(loss, has_aux=True)).lower(params, x)
 
-  mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2],
-                       axis_types=(jax.sharding.AxisType.Auto,))
+  mesh = _two_device_mesh()
   with partitioning.activate(mesh):
     program = lowered(RaggedDispatcher("pallas", interpret=True))
   assert "manual" in program.as_text().lower()  # the shard_map region
@@ -201,8 +205,7 @@ def test_ragged_pallas_under_a_mesh_matches_padded(batch):
 
 
 def test_token_groups_split_over_the_batch_axes_only_when_they_divide():
-  mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2],
-                       axis_types=(jax.sharding.AxisType.Auto,))
+  mesh = _two_device_mesh()
   split = partitioning.logical_spec(mesh.axis_names, "expert_group")
   assert split == PartitionSpec("data")
   assert [group_spec(mesh, g) for g in (1, 2, 3, 4)] == [
