@@ -133,6 +133,31 @@ def test_packed_segments_and_padding_are_isolated():
     np.testing.assert_allclose(impl(q, k, v, packed, 0.5), plain, atol=1e-5)
 
 
+def test_kv_cache_decoding_equals_causal_attention_over_the_whole_sequence():
+  """A 3-token prefill, then one token per call through the KV cache, gives each
+  position the output of one causal pass over all 7 tokens: 4 heads (not 2, so a
+  cache mask built with the head count in place of its 1 cannot broadcast), 2 rows
+  at once, QK-norm and RoPE at each call's own positions."""
+  layer = Attention(num_heads=4, head_dim=8, qk_norm=True)
+  b, t = 2, 7
+  x_btd = jax.random.normal(jax.random.PRNGKey(0), (b, t, 16))
+  pos_bt = jnp.broadcast_to(jnp.arange(t), (b, t))
+  causal = AttentionMask.build("causal")
+  params = nn.unbox(layer.init(jax.random.PRNGKey(1), x_btd, pos_bt, causal))
+  want_btd = layer.apply(params, x_btd, pos_bt, causal)
+
+  cache = jax.tree.map(jnp.zeros_like, layer.apply(
+      params, x_btd, pos_bt, causal, mutable=["cache"])[1]["cache"])
+  got = []
+  for lo, hi in [(0, 3)] + [(i, i + 1) for i in range(3, t)]:
+    out_btd, state = layer.apply({**params, "cache": cache}, x_btd[:, lo:hi],
+                                 pos_bt[:, lo:hi], causal, mutable=["cache"])
+    cache = state["cache"]
+    got.append(out_btd)
+  assert int(cache["index"]) == t
+  np.testing.assert_allclose(jnp.concatenate(got, axis=1), want_btd, atol=1e-5)
+
+
 def test_attention_mask_dense_matches_make_attention_mask():
   seg, prefix = jnp.asarray(_segments_bt()), jnp.asarray(_prefix_bt(_segments_bt()))
   for kind in ("causal", "prefix", "bidirectional"):

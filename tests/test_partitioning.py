@@ -217,3 +217,75 @@ def test_batch_shards_counts_every_axis_that_splits_the_batch():
   assert partitioning.batch_shards(
       partitioning.make_mesh(data=2, fsdp=2, tensor=2)) == 4
   assert partitioning.batch_shards(partitioning.make_mesh(data=2, tensor=4)) == 2
+
+
+def test_make_mesh_takes_one_device_up_to_all_and_names_the_range():
+  assert partitioning.make_mesh(num_devices=1).devices.size == 1
+  assert partitioning.make_mesh(num_devices=8).devices.size == 8
+  for bad in (0, 9):
+    with pytest.raises(ValueError, match=f"num_devices={bad} but 8 devices exist: "
+                       "pick 1 to 8"):
+      partitioning.make_mesh(num_devices=bad)
+
+
+def test_degrees_that_do_not_multiply_to_the_devices_are_refused():
+  with pytest.raises(ValueError, match=r"multiply to 4, not to the 8 devices: pick "
+                     r"degrees whose product is 8"):
+    partitioning.make_mesh(data=2, expert=2)
+  with pytest.raises(ValueError, match=r"multiply to 4, not to the 8 devices"):
+    partitioning.make_mesh(data=2, dcn_data=2)
+
+
+def _two_slices_of_v5e_2x2():
+  """Returns libtpu's description of two v5e:2x2 slices: 8 chips whose
+  `slice_index` is 0 for the first four and 1 for the last four."""
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  devices = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2",
+                                         num_slices=2).devices
+  assert sorted(d.slice_index for d in devices) == [0] * 4 + [1] * 4
+  return devices
+
+
+def test_dcn_degrees_split_an_axis_across_slices():
+  """Multi-slice meshes: an axis' size is its ICI degree times its DCN degree, the
+  -1 fills from the devices left per slice, and moving along a DCN-split axis
+  crosses slices while the ICI axes stay within one."""
+  devices = _two_slices_of_v5e_2x2()
+  slice_of = np.vectorize(lambda d: d.slice_index)
+
+  mesh = partitioning.make_mesh(dcn_data=2, devices=devices)  # data: 4 ICI x 2 DCN
+  assert dict(mesh.shape) == {"data": 8}
+  assert slice_of(mesh.devices).tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+
+  mesh = partitioning.make_mesh(expert=2, dcn_data=2, devices=devices)
+  assert dict(mesh.shape) == {"data": 4, "expert": 2}
+  assert slice_of(mesh.devices).tolist() == [[0, 0], [0, 0], [1, 1], [1, 1]]
+
+  # An axis of ICI degree 1 is kept when its DCN degree splits it.
+  mesh = partitioning.make_mesh(data=4, dcn_fsdp=2, devices=devices)
+  assert dict(mesh.shape) == {"data": 4, "fsdp": 2}
+  assert (slice_of(mesh.devices) == [[0, 1]] * 4).all()
+
+
+def test_optimizer_states_deeper_than_any_parameter_path_match_by_suffix():
+  """A state leaf whose path is exactly a parameter's path (no optimizer prefix)
+  takes that parameter's sharding too."""
+  mesh = partitioning.make_mesh(data=1, fsdp=2, tensor=4)
+  boxed = _square_params()
+  params = nn.unbox(boxed)
+  shardings = partitioning.opt_state_shardings(
+      jax.eval_shape(lambda: params), boxed, mesh)
+  assert shardings == partitioning.param_shardings(boxed, mesh)
+
+
+def test_logical_specs_name_the_present_mesh_axes():
+  names = ("data", "fsdp", "expert", "tensor")
+  assert partitioning.mesh_axes(names, "batch") == ("data", "fsdp", "expert")
+  assert partitioning.mesh_axes(("expert", "data"), "batch") == ("data", "expert")
+  assert partitioning.mesh_axes(("data",), "heads") == ()
+  spec = partitioning.logical_spec(names, "batch", None, "expert_mlp", "act_expert",
+                                   "capacity")
+  assert spec == P(("data", "fsdp", "expert"), None, "tensor", "expert", None)
+  assert partitioning.logical_spec(("data",), "mlp", "batch") == P(None, "data")
+  with pytest.raises(ValueError, match="'token_group'"):
+    partitioning.logical_spec(names, "token_group")
