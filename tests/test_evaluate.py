@@ -140,3 +140,24 @@ def test_diffusion_bound_weights_batches_by_tokens_and_adds_their_variances(monk
   assert keys == expected_keys
   with pytest.raises(ValueError, match="no target tokens"):
     evaluate_lib.evaluate_diffusion(None, None, [], objective, mask_id=3, num_samples=7)
+
+
+def test_heldout_nll_takes_the_callers_mask_id_then_the_objectives_then_the_vocabs(
+    monkeypatch):
+  """heldout_nll's diffusion mask id: `mask_id` when given, else the objective's own
+  (0 included), else the gin vocabulary's `<mask>`; 8 mask draws and seed 0 unless
+  told otherwise."""
+  seen = []
+
+  def fake_evaluate(model, params, batches, objective, mask_id, num_samples, seed):
+    seen.append((mask_id, num_samples, seed))
+    return {"nelbo": 1.5, "stderr": 0.25, "num_tokens": 4.0}
+  monkeypatch.setattr(evaluate_lib, "evaluate_diffusion", fake_evaluate)
+  monkeypatch.setattr(evaluate_lib, "diffusion_mask_id", lambda: 77)
+  nll = lambda objective, **kw: evaluate_lib.heldout_nll(None, None, [], objective, **kw)
+  assert nll(MaskedDiffusion()) == {"nll": 1.5, "stderr": 0.25, "bound": True,
+                                    "num_tokens": 4.0}
+  nll(MaskedDiffusion(mask_id=5))
+  nll(MaskedDiffusion(mask_id=0))
+  nll(MaskedDiffusion(mask_id=5), mask_id=9, num_samples=2, seed=3)
+  assert seen == [(77, 8, 0), (5, 8, 0), (0, 8, 0), (9, 2, 3)]

@@ -1,4 +1,5 @@
 """Tests for openmoe_jax.gin_utils: flags, search paths, errors, operative config."""
+import logging
 import os
 import subprocess
 import sys
@@ -96,6 +97,41 @@ def test_missing_gin_file_lists_searched_paths(library_gin_dir):
   assert str(library_gin_dir) in str(err.value) and os.getcwd() in str(err.value)
 
 
+def test_an_include_found_in_a_later_path_logs_no_error_for_the_earlier_ones(
+    library_gin_dir, caplog):
+  """gin logs "Path not found" for each search path without the included file; the
+  parse drops those records, and only those."""
+  with caplog.at_level(logging.INFO):
+    gin_utils.parse_gin(["runs/quickstart.gin"])  # its include is in the last path
+    with gin_utils._gin_search_paths([os.getcwd()]):  # pylint: disable=protected-access
+      logging.error("another error")
+  assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == [
+      "another error"]
+
+
+def test_a_missing_search_path_is_named(tmp_path):
+  with pytest.raises(gin_utils.GinConfigError, match=r"^--gin_search_paths: no such "
+                     r"folder: '/no/such', '.*absent'$"):
+    gin_utils.parse_gin([], gin_search_paths=[str(tmp_path), "/no/such",
+                                              str(tmp_path / "absent")])
+
+
+def test_parse_gin_locks_the_config_unless_told_not_to():
+  gin_utils.parse_gin([], ["toy_train.steps = 3"], finalize=False)
+  assert not gin.config_is_locked()
+  gin.clear_config()
+  gin_utils.parse_gin([], ["toy_train.steps = 3"])
+  assert gin.config_is_locked()
+
+
+def test_missing_required_looks_up_a_scope():
+  gin_utils.parse_gin([], ["eval/toy_train.model_dir = 'x'"], finalize=False)
+  assert gin_utils.missing_required(toy_train, scope="eval") == []
+  assert gin_utils.missing_required(toy_train, scope="train") == [
+      "train/toy_train.model_dir"]
+  assert gin_utils.missing_required(toy_train) == ["toy_train.model_dir"]
+
+
 def test_missing_include_names_the_file(library_gin_dir):
   _write(library_gin_dir / "runs" / "broken.gin", "include 'models/absent.gin'\n")
   with pytest.raises(gin_utils.GinConfigError, match="models/absent.gin"):
@@ -149,9 +185,9 @@ def test_check_required_names_unbound_parameters():
 def test_write_operative_config(tmp_path):
   gin_utils.parse_gin([], ["toy_train.model_dir = 'x'", "toy_train.steps = 5"])
   toy_train()
-  path = gin_utils.write_operative_config(str(tmp_path / "model"))
-  assert path == str(tmp_path / "model" / "config.gin")
-  text = (tmp_path / "model" / "config.gin").read_text()
+  path = gin_utils.write_operative_config(str(tmp_path / "runs" / "model"))
+  assert path == str(tmp_path / "runs" / "model" / "config.gin")
+  text = (tmp_path / "runs" / "model" / "config.gin").read_text()
   assert "toy_train.steps = 5" in text and "toy_train.model_dir = 'x'" in text
 
 
@@ -205,6 +241,32 @@ def test_gin_config_dir_is_library_folder():
     assert found in (os.path.join(package_dir, "gin_configs"),
                      os.path.join(os.path.dirname(package_dir), "gin"))
     assert not os.path.isfile(os.path.join(found, "config.py"))  # not the gin library
+
+
+@pytest.mark.parametrize("layout,expected", [
+    ({"openmoe_jax/gin_configs/": None, "setup.py": "", "gin/": None},
+     "openmoe_jax/gin_configs"),  # an installed wheel's own folder comes first
+    ({"setup.py": "", "gin/": None}, "gin"),  # a checkout
+    ({"gin/": None}, None),  # site-packages: a sibling gin/ is the gin library
+    ({"setup.py": ""}, None),
+], ids=["wheel", "checkout", "site_packages", "checkout_without_gin"])
+def test_gin_config_dir_in_each_install_layout(tmp_path, monkeypatch, layout, expected):
+  for name, text in layout.items():
+    if name.endswith("/"):
+      (tmp_path / name).mkdir(parents=True)
+    else:
+      (tmp_path / name).write_text(text)
+  (tmp_path / "openmoe_jax").mkdir(exist_ok=True)
+  monkeypatch.setattr(gin_utils, "__file__", str(tmp_path / "openmoe_jax" / "gin_utils.py"))
+  want = None if expected is None else str(tmp_path / expected)
+  assert gin_utils.gin_config_dir() == want
+
+
+def test_a_gin_flag_without_its_value_is_refused():
+  assert gin_utils.parse_flags(["--gin_file", "a.gin"])[0] == ["a.gin"]
+  for flag in ("--gin_file", "--gin_search_paths", "--gin_bindings"):
+    with pytest.raises(gin_utils.GinConfigError, match=f"^{flag} needs a value$"):
+      gin_utils.parse_flags(["prog", flag])
 
 
 def test_module_docstring_command_line_parses_against_the_library_gin():

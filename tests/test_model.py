@@ -216,6 +216,8 @@ def test_explicit_layer_pattern_and_its_scan_unit():
   alternating = ModelConfig(num_layers=6, layer_pattern="DMDMDM", sparse_interval=3)
   assert scan_unit_length(alternating) == 2
   assert scan_unit_length(ModelConfig(num_layers=12, sparse_interval=4)) == 4
+  assert scan_unit_length(ModelConfig(num_layers=1, layer_pattern="M")) == 1
+  assert scan_unit_length(ModelConfig(num_layers=3, sparse_interval=0)) == 1  # dense
   for bad in ("DMX", "DM"):
     with pytest.raises(ValueError, match="layer_pattern"):
       ModelConfig(num_layers=3, layer_pattern=bad)
@@ -391,3 +393,17 @@ def test_every_weight_starts_at_t5s_fan_in_scale():
     seen.add(("experts" in names, name))
   assert {name for _, name in seen} == set(want) | {"wo"}
   assert (True, "wo") in seen and (False, "wo") in seen
+
+
+@pytest.mark.parametrize("residual_mlp", [True, False])
+def test_dense_blocks_hold_an_mlp_and_sparse_ones_the_moe_and_the_residual_mlp(
+    residual_mlp):
+  """OpenMoE's sparse block is attention, the MoE and then (residual_mlp, its default)
+  a dense MLP of its own; a dense block is attention and the MLP."""
+  cfg = TINY.replace(num_layers=2, moe=TINY.moe.replace(residual_mlp=residual_mlp))
+  unit = _init(cfg, jnp.zeros((1, 8), jnp.int32))["params"]["layers_0"]
+  attention = {"pre_attention_norm", "attention"}
+  mlp = {"pre_mlp_norm", "mlp"}
+  assert set(unit["block_0"]) == attention | mlp
+  assert set(unit["block_1"]) == attention | {"pre_moe_norm", "moe"} | (
+      mlp if residual_mlp else set())
