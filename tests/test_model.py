@@ -407,3 +407,22 @@ def test_dense_blocks_hold_an_mlp_and_sparse_ones_the_moe_and_the_residual_mlp(
   assert set(unit["block_0"]) == attention | mlp
   assert set(unit["block_1"]) == attention | {"pre_moe_norm", "moe"} | (
       mlp if residual_mlp else set())
+
+
+def test_each_scanned_layer_starts_from_its_own_draw_and_decoding_is_the_default():
+  """nn.scan splits the init rng per repeat: no two layers of a scanned segment
+  start equal. Without `train`, the decoder routes as in evaluation (capacity factor
+  2.0, no token dropped here), not with training's 0.5."""
+  cfg = TINY.replace(moe=TINY.moe.replace(capacity_factor_train=0.5, min_capacity=1))
+  tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 8), 0, cfg.vocab_size)
+  params = _init(cfg, tokens)
+  scanned = params["params"]["layers_0"]
+  for path, leaf in jax.tree_util.tree_flatten_with_path(scanned)[0]:
+    assert leaf.shape[0] == 2, path  # 4 layers as 2 repeats of (dense, sparse)
+    if "scale" not in jax.tree_util.keystr(path):  # norm scales start at ones
+      assert not np.allclose(leaf[0], leaf[1]), path
+  default, _ = Decoder(cfg).apply(params, tokens)
+  evaluation, _ = Decoder(cfg).apply(params, tokens, train=False)
+  training, _ = Decoder(cfg).apply(params, tokens, train=True)
+  np.testing.assert_array_equal(default, evaluation)
+  assert not np.allclose(default, training, atol=1e-3)
