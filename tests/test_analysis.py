@@ -284,6 +284,41 @@ def test_token_specialization_counts_ids_seen_exactly_min_count_times():
   assert result["token_expert_distribution"][0]["token_ids"] == [7]
 
 
+def test_entropy_of_rows_with_empty_and_single_counts():
+  """A row with one choice, or all choices on one expert, has no entropy; an empty
+  row none either (not NaN); two equally loaded experts, one bit."""
+  got = analyses._entropy_bits(np.array([[0, 1, 0], [0, 0, 0], [0, 5, 0], [2, 0, 2]]))  # pylint: disable=protected-access
+  np.testing.assert_array_equal(got, [0.0, 0.0, 0.0, 1.0])
+
+
+def test_routing_with_no_entropy_explains_nothing():
+  """Every token on expert 2: nothing to explain, score 0 (not 0 / 0)."""
+  labels_n = np.arange(40) % 5
+  got = analyses.explained_routing(labels_n, np.full(40, 2), E, np.random.default_rng(0))
+  assert (got["entropy_bits"], got["score"], got["consistency"]) == (0.0, 0.0, 1.0)
+
+
+def test_the_token_lists_put_the_most_frequent_ids_first():
+  """The distribution's top ids and each expert's owned ids, by count; shares at 4
+  decimals. Ids 4 and 12 both go to expert 4 (6 and 8 times); id 9 goes 4 times of
+  6 to expert 1 and twice to expert 2."""
+  token_n = np.array([4] * 6 + [8] * 9 + [5] * 7 + [3] * 5 + [12] * 8 + [9] * 6)
+  expert_n = token_n % E
+  expert_n[token_n == 9] = [1, 1, 2, 1, 2, 1]
+  result = analyses.token_specialization(
+      _record(token_n, np.arange(token_n.size) % SEQ, expert_n[None]), top_tokens=2)
+  layer = result["token_expert_distribution"][0]
+  assert (layer["token_ids"], layer["counts"]) == ([8, 12], [9, 8])
+  experts = result["top_tokens_per_expert"][0]["experts"]
+  assert [(t["token_id"], t["count"]) for t in experts[4]] == [(12, 8), (4, 6)]
+  assert experts[1] == [{"token_id": 9, "text": "9", "count": 4, "share": 0.6667}]
+  everything = analyses.token_specialization(
+      _record(token_n, np.arange(token_n.size) % SEQ, expert_n[None]), top_tokens=6)
+  row_9 = everything["token_expert_distribution"][0]["token_ids"].index(9)
+  assert everything["token_expert_distribution"][0]["distribution"][row_9][1:3] == [
+      0.6667, 0.3333]
+
+
 _ROW_CFG = ModelConfig(vocab_size=16, d_model=8, num_heads=1, head_dim=8, d_ff=8,
                        num_layers=2, sparse_interval=2, moe=MoeConfig(num_experts=E))
 
