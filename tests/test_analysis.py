@@ -147,6 +147,35 @@ def test_routing_stability_identical_is_one_and_independent_is_one_over_e():
     analyses.routing_stability([])
 
 
+def test_a_task_without_tokens_has_no_drop_rates():
+  token_n, position_n, _ = _tokens_positions(n=256)
+  kept_lnk = (position_n < 32)[None, :, None]
+  rec = _record(token_n, position_n, np.zeros((1, 256)), kept_lnk,
+                np.zeros(256), ("code", "empty"))
+  result = analyses.drop_by_position(rec, num_buckets=2)
+  assert result["overall_by_task"] == {"code": 0.5, "empty": None}
+  assert result["by_task"] == {"code": [0.0, 1.0], "empty": [None, None]}
+  assert result["last_quarter_by_task"] == {"code": 1.0, "empty": None}
+
+
+def test_routing_stability_counts_ids_frequent_in_every_record_and_compares_neighbours():
+  """Ids seen at least min_count times in every record (7: 5 and 5 times; not 9: 5
+  and 4; not 11: 3 and 6); the consecutive overlap compares each step with the one
+  before it: steps 2 and 3 route alike, step 1 elsewhere."""
+  def record(counts, expert_of, step):
+    token_n = np.concatenate([np.full(n, t) for t, n in counts.items()])
+    expert_n = np.array([expert_of[t] for t in token_n])
+    return _record(token_n, np.arange(token_n.size) % SEQ, expert_n[None], step=step)
+  first = {7: 5, 9: 5, 11: 3}
+  later = {7: 5, 9: 4, 11: 6}
+  records = [record(first, {7: 1, 9: 1, 11: 1}, 1), record(later, {7: 3, 9: 3, 11: 3}, 2),
+             record(later, {7: 3, 9: 2, 11: 2}, 3)]
+  result = analyses.routing_stability(records)
+  assert result["num_tokens"] == 1
+  assert result["mean_to_final"] == [0.0, 1.0, 1.0]
+  assert result["mean_consecutive"] == [None, 0.0, 1.0]
+
+
 def test_domain_load_heatmap_numbers():
   token_n, position_n, rng = _tokens_positions(n=1000)
   task_n = (np.arange(1000) >= 500).astype(int)
