@@ -228,6 +228,9 @@ def test_an_moe_layer_without_the_residual_mlp_weighs_one_dense_mlp_less():
   dense_2, moe_2 = plan._layer_flops(no_residual, t)  # pylint: disable=protected-access
   assert dense_2 == dense
   assert moe - moe_2 == pytest.approx(6 * 3 * d * f)
+  # Twice the layers, twice the MoE layers: each still weighs the same.
+  twice = plan._layer_flops(cfg.replace(num_layers=4, layer_pattern="DMDM"), t)  # pylint: disable=protected-access
+  assert twice == pytest.approx((dense, moe))
 
 
 
