@@ -188,6 +188,12 @@ def test_loop_undercount_by_hand():
   assert plan.loop_undercount(cfg, t, 2) == pytest.approx(
       2 * (4 * layer + head) / (layer + head))
   assert plan.loop_undercount(cfg.replace(scan_layers=False), t, 3) == pytest.approx(3)
+  # One dense layer, then three MoE layers scanned as one: XLA sees one of each.
+  mixed = cfg.replace(layer_pattern="DMMM", moe=MoeConfig(num_experts=4))
+  dense, moe = plan._layer_flops(mixed, t)  # pylint: disable=protected-access
+  assert moe > 1.5 * dense
+  assert plan.loop_undercount(mixed, t, 1) == pytest.approx(
+      (dense + 3 * moe + head) / (dense + moe + head))
 
 
 @pytest.mark.slow
