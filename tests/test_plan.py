@@ -163,6 +163,7 @@ def test_roofline_arithmetic():
   assert estimate == {"step_s": pytest.approx(0.02), "compute_s": pytest.approx(0.02),
                       "memory_s": pytest.approx(0.01), "bound": "compute"}
   assert plan.roofline(1e12, 1e11, 1e14, 1e12)["bound"] == "HBM"
+  assert plan.roofline(1e12, 1e10, 1e14, 1e12)["bound"] == "compute"  # a tie: 10 ms each
 
 
 def test_the_estimate_uses_the_loop_corrected_compiled_flops():
