@@ -229,6 +229,11 @@ def test_recorder_agrees_with_the_model_routing_statistics(scan_layers):
   np.testing.assert_allclose(1 - rec.kept.mean(axis=(1, 2)), aux["drop_fraction"],
                              atol=1e-6)
   assert rec.token.shape == (b * t,) and rec.moe_layers == [3, 5]
+  # Training's capacity (factor 0.75) by default, not evaluation's (2.0).
+  eval_routing, _ = jax.device_get(make_routing_fn(cfg, train=False)(params, batch))
+  assert np.all(drop_l > 1 - eval_routing["kept"].mean(axis=(1, 2, 3)))
+  default = record_routing(cfg, params, {"x": [batch]}, batch_size=b, step=0)
+  np.testing.assert_array_equal(default.kept, rec.kept)
 
 
 def test_analyze_priority_flag_reroutes_token_choice_only():
