@@ -188,6 +188,16 @@ def test_domain_load_heatmap_numbers():
   assert result["total_variation"]["code vs text"] == [1.0]
 
 
+def test_total_variation_between_every_pair_of_tasks():
+  """Task a on expert 0, task b half on 0 and half on 1, task c on 1."""
+  token_n, position_n, _ = _tokens_positions(n=300)
+  task_n = np.arange(300) // 100
+  expert_n = np.where(task_n == 0, 0, np.where(task_n == 2, 1, np.arange(300) % 2))
+  result = analyses.domain_load(_record(token_n, position_n, expert_n[None],
+                                        task_n=task_n, task_names=("a", "b", "c")))
+  assert result["total_variation"] == {"a vs b": [0.5], "a vs c": [1.0], "b vs c": [0.5]}
+
+
 def test_record_roundtrip(tmp_path):
   token_n, position_n, rng = _tokens_positions(n=300)
   rec = _record(token_n, position_n, rng.integers(0, E, (2, 300, 2)), step=7,
