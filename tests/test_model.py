@@ -412,7 +412,7 @@ def test_dense_blocks_hold_an_mlp_and_sparse_ones_the_moe_and_the_residual_mlp(
 def test_each_scanned_layer_starts_from_its_own_draw_and_decoding_is_the_default():
   """nn.scan splits the init rng per repeat: no two layers of a scanned segment
   start equal. Without `train`, the decoder routes as in evaluation (capacity factor
-  2.0, no token dropped here), not with training's 0.5."""
+  2.0), not with training's 0.5."""
   cfg = TINY.replace(moe=TINY.moe.replace(capacity_factor_train=0.5, min_capacity=1))
   tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 8), 0, cfg.vocab_size)
   params = _init(cfg, tokens)

@@ -267,7 +267,7 @@ def test_dcn_degrees_split_an_axis_across_slices():
   assert (slice_of(mesh.devices) == [[0, 1]] * 4).all()
 
 
-def test_optimizer_states_deeper_than_any_parameter_path_match_by_suffix():
+def test_a_state_leaf_at_a_parameters_own_path_takes_its_sharding():
   """A state leaf whose path is exactly a parameter's path (no optimizer prefix)
   takes that parameter's sharding too."""
   mesh = partitioning.make_mesh(data=1, fsdp=2, tensor=4)
