@@ -1,9 +1,15 @@
-"""Test helpers for the files a run leaves: a digest of a folder (to show nothing
-changed) and the training losses a run logged."""
+"""Test helpers for files: writing one (with its folders), a digest of a folder (to
+show nothing changed) and the training losses a run logged."""
 import glob
 import hashlib
 import json
 import os
+
+
+def write_file(path, text):
+  """Writes `text` to `path` (a pathlib.Path), making its folders first."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(text)
 
 
 def tree_digest(directory):

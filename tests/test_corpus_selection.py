@@ -7,12 +7,12 @@ import sysconfig
 
 from openmoe_jax.data import corpus
 
+from run_files import write_file
+
 
 def _write(root, files):
   for rel, text in files.items():
-    path = root / rel
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    write_file(root / rel, text)
 
 
 def test_stdlib_files_skip_tests_site_packages_empty_and_large_files(tmp_path,

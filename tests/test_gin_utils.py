@@ -10,6 +10,8 @@ import pytest
 
 from openmoe_jax import gin_utils
 
+from run_files import write_file
+
 
 @gin.configurable
 def toy_train(model_dir=gin.REQUIRED, steps=10, optimizer=None):
@@ -22,8 +24,7 @@ def toy_optimizer(learning_rate=0.1):
 
 
 def _write(path, text):
-  path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(textwrap.dedent(text))
+  write_file(path, textwrap.dedent(text))
 
 
 @pytest.fixture
