@@ -156,11 +156,40 @@ def test_a_failed_read_drops_only_the_closed_loop_error_of_its_abandoned_reads(
   same_place = _unraisable(lambda: open_loop.call_soon_threadsafe(42))
   open_loop.close()
   other = _unraisable(lambda: 1 / 0)
-  records = (closed_loop, same_words, same_place, other)
+  # The same words from asyncio's base_events.py, not from call_soon_threadsafe.
+  same_file = _unraisable(loop.run_forever)
+  # Another type with the same words, over the closed loop's own traceback.
+  other_type = types.SimpleNamespace(**{
+      **vars(closed_loop), "exc_type": ValueError,
+      "exc_value": ValueError("Event loop is closed")})
+  records = (closed_loop, same_words, same_place, other, same_file, other_type)
   for unraisable in records:
     hook(unraisable)
   mine = [u for u in reported if any(u is x for x in records)]
-  assert mine == [same_words, same_place, other]
+  assert mine == [same_words, same_place, other, same_file, other_type]
+
+
+def test_a_read_that_succeeds_puts_the_hook_back_and_installs_no_filter(monkeypatch):
+  reported = []
+  monkeypatch.setattr(sys, "unraisablehook", reported.append)
+  with checkpoint_handlers.quiet_failed_reads():
+    assert sys.unraisablehook is not reported.append  # dropped inside the block
+    sys.unraisablehook(_unraisable(lambda: 1 / 0))
+  assert sys.unraisablehook == reported.append and not reported
+
+
+def test_the_state_handler_keeps_orbaxs_handlers_for_numpy_and_python_leaves(tmp_path):
+  """Only jax.Array's handler is replaced; NumPy arrays and Python scalars are
+  written and read back as Orbax's own handlers do."""
+  tree = {"array": jnp.arange(6.0).reshape(2, 3), "numpy": np.arange(4),
+          "count": 7, "rate": 0.5}
+  with checkpoints.Checkpointer(tmp_path, 1, None, print_fn=lambda _: None) as ckpt:
+    assert ckpt.save(1, tree)
+    ckpt.wait_until_finished()
+    back, _ = ckpt.restore()
+  np.testing.assert_array_equal(back["array"], tree["array"])
+  np.testing.assert_array_equal(back["numpy"], tree["numpy"])
+  assert (back["count"], back["rate"]) == (7, 0.5)
 
 
 def test_fallback_off_stops_and_names_the_damaged_checkpoint(tmp_path):
