@@ -169,29 +169,6 @@ def test_a_failed_read_drops_only_the_closed_loop_error_of_its_abandoned_reads(
   assert mine == [same_words, same_place, other, same_file, other_type]
 
 
-def test_a_read_that_succeeds_puts_the_hook_back_and_installs_no_filter(monkeypatch):
-  reported = []
-  monkeypatch.setattr(sys, "unraisablehook", reported.append)
-  with checkpoint_handlers.quiet_failed_reads():
-    assert sys.unraisablehook is not reported.append  # dropped inside the block
-    sys.unraisablehook(_unraisable(lambda: 1 / 0))
-  assert sys.unraisablehook == reported.append and not reported
-
-
-def test_the_state_handler_keeps_orbaxs_handlers_for_numpy_and_python_leaves(tmp_path):
-  """Only jax.Array's handler is replaced; NumPy arrays and Python scalars are
-  written and read back as Orbax's own handlers do."""
-  tree = {"array": jnp.arange(6.0).reshape(2, 3), "numpy": np.arange(4),
-          "count": 7, "rate": 0.5}
-  with checkpoints.Checkpointer(tmp_path, 1, None, print_fn=lambda _: None) as ckpt:
-    assert ckpt.save(1, tree)
-    ckpt.wait_until_finished()
-    back, _ = ckpt.restore()
-  np.testing.assert_array_equal(back["array"], tree["array"])
-  np.testing.assert_array_equal(back["numpy"], tree["numpy"])
-  assert (back["count"], back["rate"]) == (7, 0.5)
-
-
 def test_fallback_off_stops_and_names_the_damaged_checkpoint(tmp_path):
   model_dir = _saved(tmp_path)
   damaged = os.path.join(model_dir, "checkpoints", "3")
