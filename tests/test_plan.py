@@ -240,6 +240,21 @@ def test_an_moe_layer_without_the_residual_mlp_weighs_one_dense_mlp_less():
   assert twice == pytest.approx((dense, moe))
 
 
+def test_gated_shared_experts_weigh_their_mlps_and_their_router_rows():
+  """Two gated shared SwiGLU experts of width 96 add 6 x (2 x 3 d 96) FLOPs per token
+  for their MLPs and 6 x 2 d for their two router rows to each MoE layer."""
+  d, t = 64, 32
+  cfg = ModelConfig(vocab_size=1000, d_model=d, num_heads=2, head_dim=64, d_ff=256,
+                    num_layers=2, mlp_kind="swiglu", layer_pattern="DM",
+                    moe=MoeConfig(num_experts=4))
+  dense, moe = plan._layer_flops(cfg, t)  # pylint: disable=protected-access
+  shared = cfg.replace(moe=cfg.moe.replace(
+      num_shared_experts=2, shared_expert_d_ff=96, shared_experts_gated=True))
+  dense_2, moe_2 = plan._layer_flops(shared, t)  # pylint: disable=protected-access
+  assert dense_2 == dense
+  assert moe_2 - moe == pytest.approx(6 * (2 * 3 * d * 96 + 2 * d))
+
+
 
 def test_the_text_report_of_a_step_that_fits():
   """Every line of the readable report, from a report made by hand (GiB = 2^30)."""
