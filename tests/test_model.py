@@ -426,3 +426,27 @@ def test_each_scanned_layer_starts_from_its_own_draw_and_decoding_is_the_default
   training, _ = Decoder(cfg).apply(params, tokens, train=True)
   np.testing.assert_array_equal(default, evaluation)
   assert not np.allclose(default, training, atol=1e-3)
+
+
+def test_each_scanned_moe_layer_draws_its_own_router_jitter(monkeypatch):
+  """nn.scan splits the "jitter" rng per repeat: the two MoE layers of TINY's scanned
+  (dense, sparse) unit multiply their router inputs by different U(0.9, 1.1) noise."""
+  from openmoe_jax.moe.layer import MoeLayer
+  cfg = TINY.replace(moe=TINY.moe.replace(router=TokenChoiceRouter(jitter_noise=0.1)))
+  tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 8), 0, cfg.vocab_size)
+  params = _init(cfg, tokens)
+  noises = []
+  original = MoeLayer._jitter  # pylint: disable=protected-access
+
+  def recording_jitter(self, x_gsd, router, train):
+    y_gsd = original(self, x_gsd, router, train)
+    jax.debug.callback(lambda y, x: noises.append(np.asarray(y) / np.asarray(x)),
+                       y_gsd, x_gsd)
+    return y_gsd
+
+  monkeypatch.setattr(MoeLayer, "_jitter", recording_jitter)
+  Decoder(cfg).apply(params, tokens, train=True, rngs={"jitter": jax.random.PRNGKey(5)})
+  assert len(noises) == 2
+  for noise in noises:
+    assert np.all((noise > 0.9 - 1e-6) & (noise < 1.1 + 1e-6))
+  assert not np.allclose(noises[0], noises[1], atol=1e-3)
