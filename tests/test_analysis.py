@@ -22,35 +22,12 @@ from openmoe_jax.moe.layer import router_of
 from openmoe_jax.moe.routers_expert_choice import ExpertChoiceRouter
 from openmoe_jax.trainer import train
 
-E = 8
-SEQ = 64
-
-
-def _record(token_n, position_n, expert_lnk, kept_lnk=None, task_n=None,
-            task_names=("a",), step=None) -> RoutingRecord:
-  """Returns a synthetic record; one choice per token unless expert_lnk says more."""
-  n = token_n.size
-  expert_lnk = expert_lnk.reshape(expert_lnk.shape[0], n, -1)
-  kept_lnk = np.ones(expert_lnk.shape, bool) if kept_lnk is None else kept_lnk
-  return RoutingRecord(
-      token=token_n.astype(np.int32), position=position_n.astype(np.int32),
-      doc_position=position_n.astype(np.int32),
-      task=np.zeros(n, np.int16) if task_n is None else task_n.astype(np.int16),
-      row=np.arange(n, dtype=np.int32) // SEQ, expert=expert_lnk.astype(np.int16),
-      gate=np.where(kept_lnk, 0.5, 0.0).astype(np.float16), kept=kept_lnk,
-      task_names=list(task_names), num_experts=E, sequence_length=SEQ,
-      moe_layers=list(range(1, 2 * expert_lnk.shape[0], 2)), step=step)
-
-
-def _tokens_positions(n=20000, vocab=60, seed=0):
-  rng = np.random.default_rng(seed)
-  return rng.integers(0, vocab, n), np.tile(np.arange(SEQ), n // SEQ + 1)[:n], rng
-
+from routing_records import E, SEQ, synthetic_record, tokens_positions
 
 def test_token_id_only_routing_scores_one_and_position_at_chance():
-  token_n, position_n, _ = _tokens_positions()
+  token_n, position_n, _ = tokens_positions()
   expert_lnk = np.stack([token_n % E, (3 * token_n + 1) % E])
-  result = analyses.token_specialization(_record(token_n, position_n, expert_lnk),
+  result = analyses.token_specialization(synthetic_record(token_n, position_n, expert_lnk),
                                          decode=lambda i: f"<{i}>")
   assert result["token_score"] == pytest.approx(1.0, abs=1e-9)
   assert abs(result["position_score"]) < 0.02
@@ -82,29 +59,29 @@ def test_explained_routing_entropy_and_information_by_hand():
 
 
 def test_position_only_routing_scores_the_other_way_round():
-  token_n, position_n, _ = _tokens_positions()
-  result = analyses.token_specialization(_record(token_n, position_n, position_n[None] % E))
+  token_n, position_n, _ = tokens_positions()
+  result = analyses.token_specialization(synthetic_record(token_n, position_n, position_n[None] % E))
   assert result["position_score"] == pytest.approx(1.0, abs=1e-9)
   assert abs(result["token_score"]) < 0.02
 
 
 def test_random_routing_scores_near_zero_despite_rare_token_ids():
   # Many ids with few occurrences each: a plug-in estimate alone would say ~0.3.
-  token_n, position_n, rng = _tokens_positions(n=8000, vocab=1500)
+  token_n, position_n, rng = tokens_positions(n=8000, vocab=1500)
   expert_lnk = rng.integers(0, E, (1, token_n.size))
-  result = analyses.token_specialization(_record(token_n, position_n, expert_lnk),
+  result = analyses.token_specialization(synthetic_record(token_n, position_n, expert_lnk),
                                          min_count=2)
   assert abs(result["token_score"]) < 0.03 and abs(result["position_score"]) < 0.03
 
 
 def test_drop_rates_by_position_match_a_direct_count():
-  token_n, position_n, rng = _tokens_positions(n=4096)
+  token_n, position_n, rng = tokens_positions(n=4096)
   task_n = rng.integers(0, 2, token_n.size)
   expert_lnk = rng.integers(0, E, (2, token_n.size, 2))
   # Drops grow towards the end of the sequence, faster for task 1.
   p_drop_n = position_n / SEQ * (0.5 + 0.4 * task_n)
   kept_lnk = rng.random(expert_lnk.shape) >= p_drop_n[None, :, None]
-  rec = _record(token_n, position_n, expert_lnk, kept_lnk, task_n, ("code", "text"))
+  rec = synthetic_record(token_n, position_n, expert_lnk, kept_lnk, task_n, ("code", "text"))
   result = analyses.drop_by_position(rec, num_buckets=4)
   assert result["bucket_edges"] == [0, 16, 32, 48, 64]
   for t, task in enumerate(("code", "text")):
@@ -129,8 +106,8 @@ def test_drop_rates_by_position_match_a_direct_count():
 
 
 def test_routing_stability_identical_is_one_and_independent_is_one_over_e():
-  token_n, position_n, rng = _tokens_positions(n=24000, vocab=400)
-  fixed = _record(token_n, position_n, np.stack([token_n % E, token_n // 3 % E]), step=10)
+  token_n, position_n, rng = tokens_positions(n=24000, vocab=400)
+  fixed = synthetic_record(token_n, position_n, np.stack([token_n % E, token_n // 3 % E]), step=10)
   same = analyses.routing_stability([fixed, dataclasses.replace(fixed, step=20)])
   assert same["steps"] == [10, 20] and same["num_tokens"] == 400
   assert same["mean_to_final"] == [1.0, 1.0] and same["mean_consecutive"] == [None, 1.0]
@@ -138,7 +115,7 @@ def test_routing_stability_identical_is_one_and_independent_is_one_over_e():
   records = []
   for step in (1, 2, 3):
     table_lv = rng.integers(0, E, (2, 400))
-    records.append(_record(token_n, position_n, table_lv[:, token_n], step=step))
+    records.append(synthetic_record(token_n, position_n, table_lv[:, token_n], step=step))
   result = analyses.routing_stability(records)
   assert result["chance"] == 1 / E and result["mean_to_final"][-1] == 1.0
   for value in result["mean_to_final"][:-1] + result["mean_consecutive"][1:]:
@@ -148,9 +125,9 @@ def test_routing_stability_identical_is_one_and_independent_is_one_over_e():
 
 
 def test_a_task_without_tokens_has_no_drop_rates():
-  token_n, position_n, _ = _tokens_positions(n=256)
+  token_n, position_n, _ = tokens_positions(n=256)
   kept_lnk = (position_n < 32)[None, :, None]
-  rec = _record(token_n, position_n, np.zeros((1, 256)), kept_lnk,
+  rec = synthetic_record(token_n, position_n, np.zeros((1, 256)), kept_lnk,
                 np.zeros(256), ("code", "empty"))
   result = analyses.drop_by_position(rec, num_buckets=2)
   assert result["overall_by_task"] == {"code": 0.5, "empty": None}
@@ -165,7 +142,7 @@ def test_routing_stability_counts_ids_frequent_in_every_record_and_compares_neig
   def record(counts, expert_of, step):
     token_n = np.concatenate([np.full(n, t) for t, n in counts.items()])
     expert_n = np.array([expert_of[t] for t in token_n])
-    return _record(token_n, np.arange(token_n.size) % SEQ, expert_n[None], step=step)
+    return synthetic_record(token_n, np.arange(token_n.size) % SEQ, expert_n[None], step=step)
   first = {7: 5, 9: 5, 11: 3}
   later = {7: 5, 9: 4, 11: 6}
   records = [record(first, {7: 1, 9: 1, 11: 1}, 1), record(later, {7: 3, 9: 3, 11: 3}, 2),
@@ -177,10 +154,10 @@ def test_routing_stability_counts_ids_frequent_in_every_record_and_compares_neig
 
 
 def test_domain_load_heatmap_numbers():
-  token_n, position_n, rng = _tokens_positions(n=1000)
+  token_n, position_n, rng = tokens_positions(n=1000)
   task_n = (np.arange(1000) >= 500).astype(int)
   expert_lnk = np.where(task_n == 0, 0, rng.integers(0, 2, 1000) + 1)[None]
-  result = analyses.domain_load(_record(token_n, position_n, expert_lnk, task_n=task_n,
+  result = analyses.domain_load(synthetic_record(token_n, position_n, expert_lnk, task_n=task_n,
                                         task_names=("code", "text")))
   load = np.array(result["load"])
   assert load.shape == (2, 1, E) and np.allclose(load.sum(-1), 1)
@@ -190,17 +167,17 @@ def test_domain_load_heatmap_numbers():
 
 def test_total_variation_between_every_pair_of_tasks():
   """Task a on expert 0, task b half on 0 and half on 1, task c on 1."""
-  token_n, position_n, _ = _tokens_positions(n=300)
+  token_n, position_n, _ = tokens_positions(n=300)
   task_n = np.arange(300) // 100
   expert_n = np.where(task_n == 0, 0, np.where(task_n == 2, 1, np.arange(300) % 2))
-  result = analyses.domain_load(_record(token_n, position_n, expert_n[None],
+  result = analyses.domain_load(synthetic_record(token_n, position_n, expert_n[None],
                                         task_n=task_n, task_names=("a", "b", "c")))
   assert result["total_variation"] == {"a vs b": [0.5], "a vs c": [1.0], "b vs c": [0.5]}
 
 
 def test_record_roundtrip(tmp_path):
-  token_n, position_n, rng = _tokens_positions(n=300)
-  rec = _record(token_n, position_n, rng.integers(0, E, (2, 300, 2)), step=7,
+  token_n, position_n, rng = tokens_positions(n=300)
+  rec = synthetic_record(token_n, position_n, rng.integers(0, E, (2, 300, 2)), step=7,
                 kept_lnk=rng.random((2, 300, 2)) > 0.3)
   back = RoutingRecord.load(rec.save(str(tmp_path / "r.npz")))
   for field in ("token", "position", "task", "expert", "gate", "kept"):
@@ -311,9 +288,9 @@ def test_openmoe_analyze_end_to_end(tmp_path, capsys):
 def test_domain_load_counts_every_choice_not_only_the_first():
   """Two choices per token, the 1st always expert 0, the 2nd always expert 1: each
   of the two experts holds half of all top-k choices."""
-  token_n, position_n, _ = _tokens_positions(n=128)
+  token_n, position_n, _ = tokens_positions(n=128)
   expert_lnk = np.stack([np.zeros(128), np.ones(128)], axis=-1)[None]
-  load = np.array(analyses.domain_load(_record(token_n, position_n, expert_lnk))["load"])
+  load = np.array(analyses.domain_load(synthetic_record(token_n, position_n, expert_lnk))["load"])
   np.testing.assert_allclose(load[0, 0], [0.5, 0.5] + [0.0] * (E - 2))
 
 
@@ -323,7 +300,7 @@ def test_token_specialization_counts_ids_seen_exactly_min_count_times():
   token_n = np.array([7] * 5 + [9] * 4)
   position_n = np.arange(9)
   result = analyses.token_specialization(
-      _record(token_n, position_n, np.zeros((1, 9))), min_count=5)
+      synthetic_record(token_n, position_n, np.zeros((1, 9))), min_count=5)
   assert result["coverage"] == pytest.approx(5 / 9)
   assert result["token_expert_distribution"][0]["token_ids"] == [7]
 
@@ -350,14 +327,14 @@ def test_the_token_lists_put_the_most_frequent_ids_first():
   expert_n = token_n % E
   expert_n[token_n == 9] = [1, 1, 2, 1, 2, 1]
   result = analyses.token_specialization(
-      _record(token_n, np.arange(token_n.size) % SEQ, expert_n[None]), top_tokens=2)
+      synthetic_record(token_n, np.arange(token_n.size) % SEQ, expert_n[None]), top_tokens=2)
   layer = result["token_expert_distribution"][0]
   assert (layer["token_ids"], layer["counts"]) == ([8, 12], [9, 8])
   experts = result["top_tokens_per_expert"][0]["experts"]
   assert [(t["token_id"], t["count"]) for t in experts[4]] == [(12, 8), (4, 6)]
   assert experts[1] == [{"token_id": 9, "text": "9", "count": 4, "share": 0.6667}]
   everything = analyses.token_specialization(
-      _record(token_n, np.arange(token_n.size) % SEQ, expert_n[None]), top_tokens=6)
+      synthetic_record(token_n, np.arange(token_n.size) % SEQ, expert_n[None]), top_tokens=6)
   row_9 = everything["token_expert_distribution"][0]["token_ids"].index(9)
   assert everything["token_expert_distribution"][0]["distribution"][row_9][1:3] == [
       0.6667, 0.3333]

@@ -1,0 +1,165 @@
+"""The routing study's report and its records folder: report.md line by line from
+results made by hand (analysis/report.py), and `analyze_records` / `load_records`
+(analysis/study.py) on synthetic records whose answers are known."""
+import json
+import os
+
+import numpy as np
+
+from openmoe_jax.analysis import study
+from openmoe_jax.analysis.report import write_report
+
+from routing_records import E, SEQ, synthetic_record, tokens_positions
+
+META = {"model_dir": "/runs/x", "step": 10, "tasks": ["code", "text"],
+        "num_tokens": 4096, "num_batches": 2, "batch_size": 4, "sequence_length": 64,
+        "pack": True, "rows_per_task": {"code": 3, "text": 4}, "capacity_factor": 1.25,
+        "priority": None}
+HEADER = [
+    "# Routing analysis", "",
+    "Model dir `/runs/x`, analysed checkpoint step 10, tasks code, text, 4096 tokens "
+    "(up to 2 batches of 4 x 64 per task, packed=True; rows with real tokens per "
+    "task: {'code': 3, 'text': 4}), training capacity factor 1.25, token-choice "
+    "priority n/a.", ""]
+
+
+def _results():
+  tokens = [{"text": f"t{i}", "share": 0.5} for i in range(9)]
+  return {
+      "meta": META,
+      "specialization": {
+          "position_field": "position", "min_count": 5, "coverage": 0.875,
+          "per_layer": [{"layer": 1,
+                         "token": {"score": 0.5, "consistency": 0.75,
+                                   "consistency_chance": 0.25},
+                         "position": {"score": 0.07, "consistency": 0.3,
+                                      "consistency_chance": 0.25}}],
+          "token_score": 0.5, "position_score": float("nan"),
+          "top_tokens_per_expert": [{"experts": [[], tokens]},  # earlier layers
+                                    {"experts": [[], tokens]},
+                                    {"experts": [tokens, []]}]},
+      "drops": {
+          "bucket_edges": [0, 32, 64], "position_field": "position",
+          "by_task": {"code": [0.0, 0.25], "text": [None, 0.5]},
+          "overall_by_task": {"code": 0.125, "text": 0.5},
+          "first_quarter_by_task": {"code": 0.0},
+          "last_quarter_by_task": {"code": 0.25, "text": 0.5},
+          "by_layer": {"1": [0.1, 0.2]}, "by_choice_rank": {"2": [0.0, 0.4]}},
+      "stability": {"num_tokens": 12, "min_count": 5, "chance": 0.125, "steps": [2, 10],
+                    "mean_to_final": [0.5, 1.0], "mean_consecutive": [None, 0.5]},
+      "domain_load": {"total_variation": {"code vs text": [0.25, 0.5]},
+                      "layers": [1, 3]},
+  }
+
+
+def test_the_report_states_every_number_of_the_results(tmp_path):
+  results = _results()
+  paths = write_report(str(tmp_path), results)
+  assert paths == {"markdown": str(tmp_path / "report.md"),
+                   "json": str(tmp_path / "report.json")}
+  shown = ", ".join(f"`'t{i}'` (50%)" for i in range(8))  # the first 8 of 9
+  assert (tmp_path / "report.md").read_text().split("\n") == HEADER + [
+      "## Token-ID specialization", "",
+      "Share of top-1 routing entropy explained (chance-corrected; 1 = determined, 0 = "
+      "independent) by token id vs by `position`, over tokens seen >= 5 times (87.5% "
+      "of tokens).", "",
+      "| MoE layer | token id score | position score | token consistency (chance) | "
+      "position consistency (chance) |", "|---|---|---|---|---|",
+      "| 1 | 0.500 | 0.070 | 0.750 (0.250) | 0.300 (0.250) |", "",
+      "**Mean: token id 0.500, position n/a.**", "",
+      "![specialization](specialization_scores.png)", "",
+      "![token expert distribution](token_expert_distribution.png)", "",
+      "Top tokens per expert (last MoE layer; tokens whose most common expert it is, "
+      "most frequent first; share routed there):", "",
+      f"- expert 0: {shown}", "- expert 1: (owns no frequent token)", "",
+      "## Drop towards the end", "",
+      "Dropped share of top-k choices by `position` bucket (the capacity is filled in "
+      "sequence order within a group: all 1st choices before any 2nd choice with the "
+      "choice_major priority, token by token with position_major).", "",
+      "| | 0-31 | 32-63 | overall | first quarter | last quarter |",
+      "|---|---|---|---|---|---|",
+      "| code | 0.000 | 0.250 | 0.125 | 0.000 | 0.250 |",
+      "| text | n/a | 0.500 | 0.500 | n/a | 0.500 |",
+      "| layer 1 (all tasks) | 0.100 | 0.200 | | | |",
+      "| choice 2 only (all tasks, layers) | 0.000 | 0.400 | | | |", "",
+      "![drops](drop_by_position.png)", "",
+      "## Early routing learning", "",
+      "Share of the 12 frequent tokens (>= 5 occurrences) whose most common top-1 "
+      "expert is the same as in the final / previous checkpoint (mean over MoE "
+      "layers; chance 0.125).", "",
+      "| step | vs final | vs previous |", "|---|---|---|",
+      "| 2 | 0.500 | n/a |", "| 10 | 1.000 | 0.500 |", "",
+      "![stability](routing_stability.png)", "",
+      "## Domain specialization", "",
+      "Expert load (share of top-k choices) per task; total variation distance between "
+      "tasks per MoE layer (0 = same load, 1 = disjoint experts):", "",
+      "- code vs text: layer 1: 0.250, layer 3: 0.500", "",
+      "![domain load](domain_load.png)", ""]
+  saved = json.loads((tmp_path / "report.json").read_text())
+  assert saved["drops"] == results["drops"] and saved["meta"] == META
+  assert np.isnan(saved["specialization"]["position_score"])
+
+
+def test_a_report_holds_only_the_sections_it_has(tmp_path):
+  meta = dict(META, priority="position_major")
+  write_report(str(tmp_path), {"meta": meta,
+                               "stability": _results()["stability"]})
+  lines = (tmp_path / "report.md").read_text().split("\n")
+  assert lines[2].endswith("token-choice priority position_major.")
+  assert lines[4:] == ["## Early routing learning", "", lines[6], "",
+                       "| step | vs final | vs previous |", "|---|---|---|",
+                       "| 2 | 0.500 | n/a |", "| 10 | 1.000 | 0.500 |", "",
+                       "![stability](routing_stability.png)", ""]
+
+
+def _records_at(steps_and_shifts, n=4096):
+  """Token-only routing (expert = (token + shift) mod E) over two tasks, the second
+  dropping every choice from position 48 on; one record per (step, shift)."""
+  token_n, position_n, _ = tokens_positions(n=n)
+  task_n = (np.arange(n) >= n // 2).astype(np.int16)
+  kept_lnk = np.ones((2, n, 1), bool)
+  kept_lnk[:, (task_n == 1) & (position_n >= 48)] = False
+  return [synthetic_record(token_n, position_n,
+                           np.stack([(token_n + shift) % E] * 2), kept_lnk, task_n,
+                           task_names=("a", "b"), step=step)
+          for step, shift in steps_and_shifts]
+
+
+def test_records_load_in_step_order_with_or_without_their_meta(tmp_path):
+  for record in _records_at([(10, 0), (2, 1)]):
+    record.save(str(tmp_path / f"step_{record.step}.npz"))
+  records, meta = study.load_records(str(tmp_path), model_dir="/runs/x")
+  assert [r.step for r in records] == [2, 10]  # by number, not by name
+  assert meta == {"model_dir": "/runs/x", "tasks": ["a", "b"], "num_batches": None,
+                  "batch_size": None, "sequence_length": SEQ, "pack": None,
+                  "capacity_factor": None, "priority": None}
+  (tmp_path / "meta.json").write_text(json.dumps(
+      {"model_dir": "/elsewhere", "batch_size": 4, "capacity_factor": 1.25}))
+  _, meta = study.load_records(str(tmp_path), model_dir="/runs/x")
+  assert (meta["model_dir"], meta["batch_size"], meta["capacity_factor"],
+          meta["sequence_length"]) == ("/elsewhere", 4, 1.25, SEQ)
+
+
+def test_analyze_records_reports_the_final_record_and_the_learning_over_all(tmp_path):
+  records = _records_at([(2, 1), (10, 0)])
+  said = []
+  meta = dict(META, tasks=["a", "b"])  # its step, tokens and rows are replaced
+  results = study.analyze_records(records, str(tmp_path), meta, num_buckets=2,
+                                  say=said.append)
+  assert results["meta"] == dict(meta, step=10, num_tokens=4096, checkpoints=[2, 10],
+                                 rows_per_task={"a": 32, "b": 32})
+  position_score = results["specialization"]["position_score"]
+  assert abs(position_score) < 0.02  # chance-corrected: about 0
+  assert said[:3] == [
+      f"token-ID specialization: token id 1.000, position {position_score:.3f}",
+      "drop rate, first -> last position bucket: a 0.000 -> 0.000; b 0.000 -> 0.500",
+      "top-expert overlap with the final checkpoint: step 2: 0.000, step 10: 1.000"]
+  assert said[3] == (f"wrote {tmp_path / 'report.md'} and {tmp_path / 'report.json'}")
+  for png in ("specialization_scores", "token_expert_distribution", "drop_by_position",
+              "routing_stability", "domain_load"):
+    with open(tmp_path / f"{png}.png", "rb") as f:
+      assert f.read(8) == b"\x89PNG\r\n\x1a\n", png
+  assert sorted(os.listdir(tmp_path)) == sorted(
+      ["report.md", "report.json", "specialization_scores.png",
+       "token_expert_distribution.png", "drop_by_position.png", "routing_stability.png",
+       "domain_load.png"])
