@@ -152,3 +152,21 @@ def test_empty_texts_are_dropped_from_every_line_format():
   texts = [ex["targets"] for ex in
            sources.rename_text(records, "body").as_numpy_iterator()]
   assert texts == [b"x", b"y"]
+
+
+def test_a_bad_line_shows_its_first_80_bytes_and_a_bare_one_an_unknown_file():
+  """A line that is not JSON is quoted up to 80 bytes. Lines that come without their
+  file (parse_lines over a plain dataset of lines) are reported at line 0 of an
+  unknown file."""
+  bad = b"{" + b"x" * 100
+  with pytest.raises(sources.DataFileError) as error:
+    sources._text_of(bad, "text", "f.jsonl", 3)  # pylint: disable=protected-access
+  assert str(error.value).startswith("f.jsonl:3: not a JSON line (")
+  assert str(error.value).endswith(f"): {bad[:80]!r}")
+  assert (error.value.path, error.value.line) == ("f.jsonl", 3)
+  lines = tf.data.Dataset.from_tensor_slices([json.dumps({"text": "ok"}).encode(), bad])
+  with pytest.raises(tf.errors.OpError) as raised:
+    list(sources.parse_lines(lines, "jsonl").as_numpy_iterator())
+  found = sources.error_from_tf(raised.value)
+  assert str(found).startswith("<unknown file>:0: not a JSON line (")
+  assert sources.error_from_tf(ValueError("an error of another kind")) is None
