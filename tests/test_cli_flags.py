@@ -183,3 +183,51 @@ def test_number_flags_keep_their_bounds_open_or_closed():
   assert flags.int_at_least(1)("1") == 1
   with pytest.raises(argparse.ArgumentTypeError, match=">= 1"):
     flags.int_at_least(1)("0")
+
+
+def test_bound_messages_name_both_bounds_only_when_there_is_a_high_one():
+  with pytest.raises(argparse.ArgumentTypeError) as error:
+    flags.float_in(0.0, 1.0)("1.5")
+  assert str(error.value) == "expected a number >= 0.0 and <= 1.0, got '1.5'"
+  with pytest.raises(argparse.ArgumentTypeError) as error:
+    flags.float_in(0.0)("x")
+  assert str(error.value) == "expected a number >= 0.0, got 'x'"
+
+
+def test_gin_flags_are_listed_only_by_programs_that_take_them(capsys):
+  """A program takes no gin flags unless it says so: its usage line and help leave
+  them out, and a gin flag is a usage error. A gin program's usage line ends with
+  them and its help explains them."""
+  plain = flags.Program("openmoe-x", "Does x.", ["openmoe-x --n=1"])
+  assert plain.parser.format_usage() == "usage: openmoe-x [-h] [--verbose]\n"
+  assert "gin" not in plain.parser.format_help()
+  assert "\nexample:\n  openmoe-x --n=1" in plain.parser.format_help()
+  assert plain.main(lambda args, gin_flags: None, ["--gin_file=a.gin"]) == 2
+  assert capsys.readouterr().err == (
+      "openmoe-x: error: this program takes no gin flags (--gin_file, --gin.NAME=...)"
+      " (see openmoe-x --help)\n")
+  with_gin = flags.Program("openmoe-y", "Does y.", ["openmoe-y", "openmoe-y --v"],
+                           gin=True)
+  assert with_gin.parser.format_usage() == (
+      "usage: openmoe-y [-h] [--verbose] [--gin_file=FILE ...] [--gin.NAME=VALUE ...]\n")
+  help_text = with_gin.parser.format_help()
+  assert help_text.startswith(
+      "usage: openmoe-y [-h] [--verbose] [--gin_file=FILE ...] [--gin.NAME=VALUE ...]"
+      "\n\nDoes y.\n")
+  assert (flags.GIN_FLAGS_HELP + "\n\nexamples:\n  openmoe-y\n  openmoe-y --v"
+          in help_text)
+  _, gin_flags = with_gin.parse(["--gin_file=a.gin", "--gin.X=1"])
+  assert (gin_flags.files, gin_flags.bindings) == (["a.gin"], ["X = 1"])
+
+
+def test_a_body_returning_nothing_exits_0_and_its_own_code_otherwise():
+  program = flags.Program("openmoe-x", "Does x.", ["openmoe-x"])
+  assert program.main(lambda args, gin_flags: None, []) == 0
+  assert program.main(lambda args, gin_flags: 3, []) == 3
+
+
+def test_the_command_line_is_read_from_sys_argv_by_default(monkeypatch):
+  program = flags.Program("openmoe-x", "Does x.", ["openmoe-x"])
+  monkeypatch.setattr(flags.sys, "argv", ["openmoe-x", "--verbose"])
+  assert program.parse()[0].verbose
+  assert program.main(lambda args, gin_flags: 0 if args.verbose else 5) == 0
