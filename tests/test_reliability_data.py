@@ -170,3 +170,50 @@ def test_a_bad_line_shows_its_first_80_bytes_and_a_bare_one_an_unknown_file():
   found = sources.error_from_tf(raised.value)
   assert str(found).startswith("<unknown file>:0: not a JSON line (")
   assert sources.error_from_tf(ValueError("an error of another kind")) is None
+
+
+def test_validation_reads_the_first_8_texts_of_each_file(tmp_path):
+  """Blank lines are not texts; a bad 9th text is left to the reader (a fast
+  preflight), unless more records are asked for."""
+  path = tmp_path / "a.jsonl"
+  lines = [json.dumps(d) for d in _good_docs(8)] + ["not json"]
+  path.write_text("\n\n".join(lines) + "\n")
+  source = sources.text_files({"train": str(path)})
+  assert sources.validate_source(source) == [str(path)]
+  assert getattr(source.source, sources.VALIDATE_ATTR)("train") == [str(path)]
+  with pytest.raises(sources.DataFileError, match=f"{path}:17: not a JSON line"):
+    sources.validate_source(source, max_records=9)
+
+
+def test_a_one_byte_text_file_is_not_empty(tmp_path):
+  (tmp_path / "one.txt").write_text("x")
+  (tmp_path / "none.txt").write_text("")
+  source = sources.text_files({"train": str(tmp_path / "one.txt"),
+                               "validation": str(tmp_path / "none.txt")},
+                              file_format="text")
+  assert sources.validate_source(source) == [str(tmp_path / "one.txt")]
+  with pytest.raises(sources.DataFileError) as error:
+    sources.validate_source(source, "validation")
+  assert str(error.value) == f"{tmp_path / 'none.txt'}: the data file is empty"
+
+
+def test_array_record_validation_checks_examples_only_in_example_files(tmp_path):
+  from array_record.python.array_record_module import ArrayRecordWriter  # pylint: disable=g-import-not-at-top
+  def write(name, records):
+    writer = ArrayRecordWriter(str(tmp_path / name), "group_size:1")
+    for record in records:
+      writer.write(record)
+    writer.close()
+    return str(tmp_path / name)
+
+  text = write("text.array_record", [b"a plain text", b"another"])
+  assert sources.validate_source(sources.array_record_files(
+      {"train": text}, record_format="text")) == [text]
+  with pytest.raises(sources.DataFileError, match="ArrayRecord record 0 is not a "
+                     "tf.train.Example|ArrayRecord record 0 has no bytes feature"):
+    sources.validate_source(sources.array_record_files({"train": text}))
+  empty = write("empty.array_record", [])
+  with pytest.raises(sources.DataFileError) as error:
+    sources.validate_source(sources.array_record_files(
+        {"train": empty}, record_format="text"))
+  assert str(error.value) == f"{empty}: the ArrayRecord file holds no record"
