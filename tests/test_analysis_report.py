@@ -113,15 +113,20 @@ def test_a_report_holds_only_the_sections_it_has(tmp_path):
 
 
 def _records_at(steps_and_shifts, n=4096):
-  """Token-only routing (expert = (token + shift) mod E) over two tasks, the second
-  dropping every choice from position 48 on; one record per (step, shift)."""
+  """Token-only routing (expert = (token + shift) mod E) over three tasks: "b" holds
+  the last 16 rows and drops every choice from position 48 on; "c" holds the first
+  and last 16 positions of the first 8 rows and drops nothing; "a" holds the rest
+  (48 rows) and drops every choice before position 8. One record per (step, shift)."""
   token_n, position_n, _ = tokens_positions(n=n)
-  task_n = (np.arange(n) >= n // 2).astype(np.int16)
+  row_n = np.arange(n) // SEQ
+  task_n = np.where(row_n >= 48, 1, 0).astype(np.int16)
+  task_n[(row_n < 8) & ((position_n < 16) | (position_n >= 48))] = 2
   kept_lnk = np.ones((2, n, 1), bool)
+  kept_lnk[:, (task_n == 0) & (position_n < 8)] = False
   kept_lnk[:, (task_n == 1) & (position_n >= 48)] = False
   return [synthetic_record(token_n, position_n,
                            np.stack([(token_n + shift) % E] * 2), kept_lnk, task_n,
-                           task_names=("a", "b"), step=step)
+                           task_names=("a", "b", "c"), step=step)
           for step, shift in steps_and_shifts]
 
 
@@ -130,7 +135,7 @@ def test_records_load_in_step_order_with_or_without_their_meta(tmp_path):
     record.save(str(tmp_path / f"step_{record.step}.npz"))
   records, meta = study.load_records(str(tmp_path), model_dir="/runs/x")
   assert [r.step for r in records] == [2, 10]  # by number, not by name
-  assert meta == {"model_dir": "/runs/x", "tasks": ["a", "b"], "num_batches": None,
+  assert meta == {"model_dir": "/runs/x", "tasks": ["a", "b", "c"], "num_batches": None,
                   "batch_size": None, "sequence_length": SEQ, "pack": None,
                   "capacity_factor": None, "priority": None}
   (tmp_path / "meta.json").write_text(json.dumps(
@@ -141,19 +146,23 @@ def test_records_load_in_step_order_with_or_without_their_meta(tmp_path):
 
 
 def test_analyze_records_reports_the_final_record_and_the_learning_over_all(tmp_path):
-  records = _records_at([(2, 1), (10, 0)])
+  records = _records_at([(2, 2), (5, 0), (10, 0)])
   said = []
-  meta = dict(META, tasks=["a", "b"])  # its step, tokens and rows are replaced
-  results = study.analyze_records(records, str(tmp_path), meta, num_buckets=2,
+  meta = dict(META, tasks=["a", "b", "c"])  # its step, tokens and rows are replaced
+  results = study.analyze_records(records, str(tmp_path), meta, num_buckets=4,
                                   say=said.append)
-  assert results["meta"] == dict(meta, step=10, num_tokens=4096, checkpoints=[2, 10],
-                                 rows_per_task={"a": 32, "b": 32})
+  assert results["meta"] == dict(meta, step=10, num_tokens=4096,
+                                 checkpoints=[2, 5, 10],
+                                 rows_per_task={"a": 48, "b": 16, "c": 8})
+  assert results["drops"]["by_task"]["c"] == [0.0, None, None, 0.0]
   position_score = results["specialization"]["position_score"]
   assert abs(position_score) < 0.02  # chance-corrected: about 0
   assert said[:3] == [
       f"token-ID specialization: token id 1.000, position {position_score:.3f}",
-      "drop rate, first -> last position bucket: a 0.000 -> 0.000; b 0.000 -> 0.500",
-      "top-expert overlap with the final checkpoint: step 2: 0.000, step 10: 1.000"]
+      "drop rate, first -> last position bucket: a 0.500 -> 0.000; b 0.000 -> 1.000; "
+      "c 0.000 -> 0.000",
+      "top-expert overlap with the final checkpoint: step 2: 0.000, step 5: 1.000, "
+      "step 10: 1.000"]
   assert said[3] == (f"wrote {tmp_path / 'report.md'} and {tmp_path / 'report.json'}")
   for png in ("specialization_scores", "token_expert_distribution", "drop_by_position",
               "routing_stability", "domain_load"):
