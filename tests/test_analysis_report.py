@@ -172,3 +172,50 @@ def test_analyze_records_reports_the_final_record_and_the_learning_over_all(tmp_
       ["report.md", "report.json", "specialization_scores.png",
        "token_expert_distribution.png", "drop_by_position.png", "routing_stability.png",
        "domain_load.png"])
+
+
+def test_openmoe_analyze_reruns_the_analyses_from_records_alone(tmp_path, capsys):
+  """--from_records without --model_dir: the report is written from the saved
+  records, token ids decoded with the vocabulary of the records' first task, and
+  the bucket and frequency flags reach the analyses. With no token frequent enough,
+  the scores read n/a (the run used to stop on formatting None)."""
+  from openmoe_jax.cli import analyze  # pylint: disable=g-import-not-at-top
+  from openmoe_jax.data import pipeline  # pylint: disable=g-import-not-at-top
+  folder = tmp_path / "records"
+  folder.mkdir()
+  for record in _records_at([(2, 1), (10, 0)]):
+    record.task_names = ["local_code", "local_text", "local_code_2"]
+    record.save(str(folder / f"step_{record.step}.npz"))
+  out = tmp_path / "out"
+  assert analyze.main([f"--from_records={folder}", f"--output={out}",
+                       "--num_buckets=4"]) == 0
+  report = json.loads((out / "report.json").read_text())
+  assert report["meta"]["checkpoints"] == [2, 10] and report["meta"]["model_dir"] is None
+  assert report["drops"]["bucket_edges"] == [0, 16, 32, 48, 64]
+  assert report["specialization"]["min_count"] == 5
+  owned = [t for e in report["specialization"]["top_tokens_per_expert"][-1]["experts"]
+           for t in e]
+  vocab = pipeline.vocabulary_for("local_code")
+  assert owned and all(t["text"] == vocab.decode([t["token_id"]]) for t in owned)
+  assert f"wrote {out / 'report.md'}" in capsys.readouterr().out
+  rare = tmp_path / "rare"
+  assert analyze.main([f"--from_records={folder}", f"--output={rare}",
+                       "--min_count=100000"]) == 0
+  said = capsys.readouterr().out
+  assert "token-ID specialization: token id n/a, position n/a" in said
+  assert "top-expert overlap with the final checkpoint: step 2: n/a, step 10: n/a" in said
+  report = json.loads((rare / "report.json").read_text())
+  assert report["specialization"]["min_count"] == report["stability"]["min_count"] == 100000
+  assert report["specialization"]["coverage"] == 0.0
+  assert "**Mean: token id n/a, position n/a.**" in (rare / "report.md").read_text()
+
+
+def test_openmoe_analyze_needs_a_run_or_records_and_reads_true_or_false(capsys):
+  from openmoe_jax.cli import analyze  # pylint: disable=g-import-not-at-top
+  assert analyze.main(["--output=x"]) == 2
+  assert "give --model_dir (or --from_records)" in capsys.readouterr().err
+  for text, value in (("true", True), ("YES", True), ("1", True), ("False", False),
+                      ("no", False), ("0", False)):
+    assert analyze.PROGRAM.parse(["--output=x", f"--pack={text}"])[0].pack is value
+  assert analyze.main(["--output=x", "--model_dir=y", "--pack=maybe"]) == 2
+  assert "expected true or false, got 'maybe'" in capsys.readouterr().err

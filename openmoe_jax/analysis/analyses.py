@@ -48,8 +48,14 @@ def explained_routing(labels_n: np.ndarray, expert_n: np.ndarray, num_experts: i
   with the labels shuffled (plug-in estimates are biased up for many rare labels).
   1: the label determines the expert; ~0: independent. `consistency`: share of
   tokens routed to their label's most common expert; `consistency_chance`: the same
-  with shuffled labels.
+  with shuffled labels. With no tokens (none frequent enough), all but the entropy
+  are NaN: nothing was measured.
   """
+  if not np.size(labels_n):
+    nan = float("nan")
+    return {"entropy_bits": 0.0, "mutual_information_bits": nan,
+            "mutual_information_null_bits": nan, "score": nan, "consistency": nan,
+            "consistency_chance": nan}
   h, info, consistency = _information(labels_n, expert_n, num_experts)
   nulls = [_information(rng.permutation(labels_n), expert_n, num_experts)
            for _ in range(permutations)]

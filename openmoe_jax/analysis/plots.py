@@ -43,6 +43,10 @@ def _expert_heatmaps(matrices, row_labels, layers, *, title, row_title, colorbar
                            layout="constrained")
   image = None
   for i, (ax, matrix) in enumerate(zip(axes[0], matrices)):
+    ax.set_title(f"layer {layers[i]}")
+    if not np.size(matrix):  # e.g. no token frequent enough to be shown
+      ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+      continue
     image = ax.imshow(matrix, aspect="auto", cmap=cmap, vmin=0, vmax=vmax)
     # Rows are the same in every panel: label them once.
     ax.set_yticks(range(len(row_labels)), row_labels if i == 0 else [], fontsize=7)
@@ -50,7 +54,6 @@ def _expert_heatmaps(matrices, row_labels, layers, *, title, row_title, colorbar
     ax.set_xlabel("expert")
     if i == 0:
       ax.set_ylabel(row_title)
-    ax.set_title(f"layer {layers[i]}")
   fig.suptitle(title)
   if image is not None:
     fig.colorbar(image, ax=axes[0].tolist(), label=colorbar)

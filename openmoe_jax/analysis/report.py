@@ -5,7 +5,8 @@ import os
 from typing import Dict, Optional
 
 
-def _fmt(x: Optional[float]) -> str:
+def format_number(x: Optional[float]) -> str:
+  """Returns `x` with 3 decimals, or "n/a" for None or NaN (no data)."""
   return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
 
 
@@ -18,11 +19,13 @@ def _specialization_md(spec: Dict) -> list:
            "(chance) | position consistency (chance) |", "|---|---|---|---|---|"]
   for layer in spec["per_layer"]:
     tok, pos = layer["token"], layer["position"]
-    lines.append(f"| {layer['layer']} | {_fmt(tok['score'])} | {_fmt(pos['score'])} | "
-                 f"{_fmt(tok['consistency'])} ({_fmt(tok['consistency_chance'])}) | "
-                 f"{_fmt(pos['consistency'])} ({_fmt(pos['consistency_chance'])}) |")
-  lines += ["", f"**Mean: token id {_fmt(spec['token_score'])}, position "
-            f"{_fmt(spec['position_score'])}.**", "",
+    cells = [format_number(x) for x in (
+        tok["score"], pos["score"], tok["consistency"], tok["consistency_chance"],
+        pos["consistency"], pos["consistency_chance"])]
+    lines.append(f"| {layer['layer']} | {cells[0]} | {cells[1]} | {cells[2]} "
+                 f"({cells[3]}) | {cells[4]} ({cells[5]}) |")
+  lines += ["", f"**Mean: token id {format_number(spec['token_score'])}, position "
+            f"{format_number(spec['position_score'])}.**", "",
             "![specialization](specialization_scores.png)", "",
             "![token expert distribution](token_expert_distribution.png)", "",
             "Top tokens per expert (last MoE layer; tokens whose most common expert it "
@@ -46,16 +49,16 @@ def _drops_md(drops: Dict) -> list:
            "|---" * (len(edges) + 3) + "|"]
   first = drops.get("first_quarter_by_task", {})
   for task, rates in drops["by_task"].items():
-    lines.append(f"| {task} | " + " | ".join(_fmt(r) for r in rates)
-                 + f" | {_fmt(drops['overall_by_task'][task])} | "
-                 f"{_fmt(first.get(task))} | "
-                 f"{_fmt(drops['last_quarter_by_task'][task])} |")
+    lines.append(f"| {task} | " + " | ".join(format_number(r) for r in rates)
+                 + f" | {format_number(drops['overall_by_task'][task])} | "
+                 f"{format_number(first.get(task))} | "
+                 f"{format_number(drops['last_quarter_by_task'][task])} |")
   for layer, rates in drops["by_layer"].items():
-    lines.append(f"| layer {layer} (all tasks) | " + " | ".join(_fmt(r) for r in rates)
+    lines.append(f"| layer {layer} (all tasks) | " + " | ".join(format_number(r) for r in rates)
                  + " | | | |")
   for rank, rates in drops.get("by_choice_rank", {}).items():
     lines.append(f"| choice {rank} only (all tasks, layers) | "
-                 + " | ".join(_fmt(r) for r in rates) + " | | | |")
+                 + " | ".join(format_number(r) for r in rates) + " | | | |")
   return lines + ["", "![drops](drop_by_position.png)", ""]
 
 
@@ -66,7 +69,7 @@ def _stability_md(stab: Dict) -> list:
            f"previous checkpoint (mean over MoE layers; chance {stab['chance']:.3f}).", "",
            "| step | vs final | vs previous |", "|---|---|---|"]
   for step, fin, prev in zip(stab["steps"], stab["mean_to_final"], stab["mean_consecutive"]):
-    lines.append(f"| {step} | {_fmt(fin)} | {_fmt(prev)} |")
+    lines.append(f"| {step} | {format_number(fin)} | {format_number(prev)} |")
   return lines + ["", "![stability](routing_stability.png)", ""]
 
 
@@ -76,7 +79,7 @@ def _domain_md(load: Dict) -> list:
            "between tasks per MoE layer (0 = same load, 1 = disjoint experts):", ""]
   for pair, tv in load["total_variation"].items():
     lines.append(f"- {pair}: " + ", ".join(
-        f"layer {l}: {_fmt(v)}" for l, v in zip(load["layers"], tv)))
+        f"layer {l}: {format_number(v)}" for l, v in zip(load["layers"], tv)))
   return lines + ["", "![domain load](domain_load.png)", ""]
 
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from openmoe_jax.analysis import analyses, plots
 from openmoe_jax.analysis.record import RoutingRecord, make_routing_fn, record_routing
-from openmoe_jax.analysis.report import write_report
+from openmoe_jax.analysis.report import format_number, write_report
 from openmoe_jax.data import pipeline
 from openmoe_jax.moe.layer import router_of
 from openmoe_jax.run_loader import Run, restore_params
@@ -88,15 +88,16 @@ def analyze_records(records: List[RoutingRecord], output: str, meta: Dict,
   results: Dict = {"meta": meta}
   results["specialization"] = analyses.token_specialization(
       final, min_count=min_count, decode=decode)
-  say(f"token-ID specialization: token id {results['specialization']['token_score']:.3f}"
-      f", position {results['specialization']['position_score']:.3f}")
+  say("token-ID specialization: token id "
+      f"{format_number(results['specialization']['token_score'])}, position "
+      f"{format_number(results['specialization']['position_score'])}")
   results["drops"] = analyses.drop_by_position(final, num_buckets=num_buckets)
   say("drop rate, first -> last position bucket: " + "; ".join(
       f"{t} {r[0]:.3f} -> {r[-1]:.3f}" for t, r in results["drops"]["by_task"].items()
       if r[0] is not None and r[-1] is not None))
   results["stability"] = analyses.routing_stability(records, min_count=min_count)
   say("top-expert overlap with the final checkpoint: " + ", ".join(
-      f"step {s}: {v:.3f}" for s, v in zip(results["stability"]["steps"],
+      f"step {s}: {format_number(v)}" for s, v in zip(results["stability"]["steps"],
                                            results["stability"]["mean_to_final"])))
   results["domain_load"] = analyses.domain_load(final)
   os.makedirs(output, exist_ok=True)
