@@ -51,6 +51,17 @@ def test_short_runs_scale_the_warmup_down_and_say_so():
   adamw_warmup_cosine()
 
 
+def test_the_short_warmup_is_a_tenth_of_the_steps_and_one_step_is_refused():
+  longer = ["adamw_warmup_cosine.warmup_steps = 200"]
+  bindings, note = ablate.short_run_bindings("runs/ablate_tiny.gin", 100, longer)
+  assert bindings == longer + ["adamw_warmup_cosine.warmup_steps = 10"]
+  assert note == ("--steps=100 is not longer than the warmup of runs/ablate_tiny.gin "
+                  "(200 steps): warming up for 10 step(s) instead "
+                  "(adamw_warmup_cosine.warmup_steps=10)")
+  with pytest.raises(ValueError, match="--steps=1 is too short: train at least 2"):
+    ablate.short_run_bindings("runs/ablate_tiny.gin", 1)
+
+
 def test_an_upcycled_arm_trains_after_its_dense_source(monkeypatch, tmp_path):
   """The upcycled arm starts from the dense arm's checkpoint: listed first, the dense
   arm is moved before it; not listed, it is trained first (and its row left out);
@@ -75,6 +86,26 @@ def test_an_upcycled_arm_trains_after_its_dense_source(monkeypatch, tmp_path):
   (tmp_path / "dense" / "checkpoints").mkdir(parents=True)
   ablate.run_arms(["upcycled"], 2, out, "run.gin", print_fn=lambda *_: None)
   assert ran == ["upcycled"]
+
+
+def test_arms_without_a_source_train_alone_and_number_their_progress(monkeypatch,
+                                                                      tmp_path):
+  """An arm that is not upcycled trains alone; each arm's banner counts the arms to
+  train, and its own lines carry its name."""
+  def run_arm(arm, steps, output, run_gin, bindings, print_fn):
+    print_fn(f"training {steps} steps")
+    return arm
+
+  monkeypatch.setattr(ablate, "run_arm", run_arm)
+  lines = []
+  assert ablate.run_arms(["tc_softmax"], 3, str(tmp_path), "run.gin",
+                         print_fn=lines.append) == ["tc_softmax"]
+  assert lines == ["=== arm 1/1: tc_softmax (3 steps) ===",
+                   "[tc_softmax] training 3 steps"]
+  lines.clear()
+  ablate.run_arms(["upcycled"], 3, str(tmp_path), "run.gin", print_fn=lines.append)
+  assert lines == ["=== arm 1/2: dense (3 steps) ===", "[dense] training 3 steps",
+                   "=== arm 2/2: upcycled (3 steps) ===", "[upcycled] training 3 steps"]
 
 
 def test_a_too_long_warmup_names_the_binding_and_the_minimum():
@@ -152,9 +183,12 @@ def test_an_arms_row_takes_each_number_from_its_own_summary_entry(tmp_path,
              "last_train_metrics": {"moe/drop_fraction": 0.125,
                                     "moe/expert_load_cv": 0.375},
              "tokens_per_sec": 100.0}
+  clock = iter([100.0, 112.5])  # training started at 100 s and ended at 112.5 s
   monkeypatch.setattr(ablate, "train", lambda print_fn: summary)
   monkeypatch.setattr(ablate.gin_utils, "check_required", lambda *a, **k: None)
+  monkeypatch.setattr(ablate.time, "perf_counter", lambda: next(clock, 112.5))
   row = ablate.run_arm("tc_softmax", 2, str(tmp_path), "runs/ablate_tiny.gin")
+  assert row.seconds == 12.5
   assert (row.steps, row.first_val_loss, row.val_loss, row.train_loss) == (
       2, 5.0, 4.0, 4.25)
   assert (row.drop_fraction, row.expert_load_cv, row.tokens_per_sec) == (
