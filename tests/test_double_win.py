@@ -7,12 +7,13 @@ import math
 import os
 
 import flax.linen as nn
+import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from openmoe_jax import errors
+from openmoe_jax import errors, gin_utils
 from openmoe_jax.cli import ablate as ablate_cli
 from openmoe_jax.config import ModelConfig, MoeConfig
 from openmoe_jax.evaluate import heldout_nll
@@ -259,3 +260,122 @@ def test_count_tokens_counts_loss_tokens_and_the_rows_holding_any():
   counts = double_win_data.count_tokens([{"decoder_loss_weights": first_bt},
                                          {"decoder_loss_weights": second_bt}])
   assert counts == {"tokens": 7, "rows": 3}
+
+
+def test_a_verdict_needs_more_than_two_standard_errors_of_its_own_sign():
+  verdict = lambda v, se: double_win_report._verdict(v, se, "yes", "no", "neither")  # pylint: disable=protected-access
+  assert [verdict(v, 0.125) for v in (0.5, 0.25, 0.125, 0.0, -0.125, -0.25, -0.5)] == [
+      "yes", "neither", "neither", "neither", "neither", "neither", "no"]
+  assert [verdict(v, 0.0) for v in (0.25, 0.0, -0.25)] == ["yes", "neither", "no"]
+
+
+def test_a_gap_of_exactly_two_standard_errors_is_no_crossover_and_a_flat_end_no_turn():
+  """AR - DLM of exactly 2 x 0.125 at the end is not "below"; the gaps hold AR -
+  DLM per checkpoint; an AR curve that ends at its best has not turned up."""
+  results = _results(ar_dense=[5.0, 4.5, 4.5], dlm_dense=[5.5, 4.5, 4.25],
+                     ar_moe=[5.0, 4.5, 4.5], dlm_moe=[5.5, 4.5, 4.0], se=0.125)
+  dense = double_win_report.crossover(results, "dense")
+  assert dense["epoch"] is None
+  assert dense["gaps"] == [{"epochs": 2.0, "ar_minus_dlm": -0.5, "stderr": 0.125},
+                           {"epochs": 4.0, "ar_minus_dlm": 0.0, "stderr": 0.125},
+                           {"epochs": 6.0, "ar_minus_dlm": 0.25, "stderr": 0.125}]
+  assert double_win_report.crossover(results, "moe")["epoch"] == 6.0
+  text = "\n".join(double_win_report.answers(results))
+  assert ("(b) dense: no crossover within 6.0 epochs: at the end AR - DLM = +0.2500 "
+          "nats/token (DLM bound ± 0.1250).") in text
+  assert ("AR dense validation NLL does not turn up: best 4.5000 at epoch 4.0, final "
+          "4.5000 at epoch 6.0 (+0.0000).") in text
+
+
+class _CharVocab:
+  """One id per character: token counts are character counts."""
+
+  def encode(self, text):
+    return [ord(c) for c in text]
+
+  def decode(self, ids):
+    return "".join(chr(i) for i in ids)
+
+
+def test_study_data_is_written_whole_and_read_in_one_ordered_packed_pass(tmp_path):
+  """train.jsonl and validation.jsonl hold the asked-for tokens of disjoint corpus
+  documents (no temporary file left; seed 0 by default); the bindings register
+  them as the run's one task, read in order, once, packed."""
+  folder = tmp_path / "data"
+  data = double_win_data.write_study_data(str(folder), _CharVocab(), 3000, 1000)
+  assert sorted(os.listdir(folder)) == ["train.jsonl", "validation.jsonl"]
+  docs = {split: [json.loads(l) for l in open(folder / f"{split}.jsonl")]
+          for split in ("train", "validation")}
+  assert sum(len(d["text"]) for d in docs["train"]) == 3000
+  assert sum(len(d["text"]) for d in docs["validation"]) == 1000
+  assert not {d["id"] for d in docs["train"]} & {d["id"] for d in docs["validation"]}
+  assert data == double_win_data.StudyData(
+      str(folder / "train.jsonl"), str(folder / "validation.jsonl"),
+      len(docs["train"]), len(docs["validation"]))
+  again = double_win_data.write_study_data(str(tmp_path / "again"), _CharVocab(),
+                                           3000, 1000, seed=0)
+  assert (tmp_path / "again" / "train.jsonl").read_text() == (
+      folder / "train.jsonl").read_text()
+  assert again.train_documents == data.train_documents
+  gin.clear_config()
+  gin_utils.import_configurables()
+  gin_utils.parse_gin(["runs/quickstart.gin"], double_win_data.gin_bindings(data),
+                      finalize=False)
+  assert gin.query_parameter("%MIXTURE_OR_TASK_NAME") == double_win_data.TASK
+  first = double_win_data.one_pass("train", 1024, 1)
+  second = double_win_data.one_pass("train", 1024, 1)
+  for a, b in zip(first, second, strict=True):  # the same order, and it ends
+    np.testing.assert_array_equal(a["decoder_target_tokens"], b["decoder_target_tokens"])
+  from openmoe_jax.data import pipeline  # pylint: disable=g-import-not-at-top
+  vocab = pipeline.vocabulary_for(double_win_data.TASK)
+  first_document = list(vocab.encode(docs["train"][0]["text"]))[:16]
+  assert first[0]["decoder_target_tokens"][0, :16].tolist() == first_document  # in order
+  assert max(len(np.unique(s[s > 0])) for batch in first
+             for s in batch["decoder_segment_ids"]) > 1  # packed
+  gin.clear_config()
+
+
+def test_the_study_report_from_hand_made_results(tmp_path):
+  """report.md's settings lines, table and routing lines, and double_win.json's
+  summary, from results made by hand (the slow end-to-end test checks a real run)."""
+  results = _results(ar_dense=[5.0, 4.6], dlm_dense=[5.6, 4.5],
+                     ar_moe=[4.9, 4.5], dlm_moe=[5.4, 4.1], se=0.125)
+  results["parameters"] = {"dense": {"activated": 1000, "router": 0, "total": 1000},
+                           "moe": {"activated": 1200, "router": 200, "total": 4200}}
+  results["data"] = {"train_tokens": 3000, "train_documents": 5,
+                     "validation_tokens": 1024, "validation_documents": 2}
+  results["settings"] = {"seed": 0, "batch_size": 8, "sequence_length": 64,
+                         "steps": 20, "dense_gin": "d.gin", "moe_gin": "m.gin",
+                         "run_gin": "r.gin", "bindings": []}
+  results["backend"], results["seconds"] = "cpu", 150.0
+  for i, arm in enumerate(results["arms"].values()):
+    arm["seconds"] = 30.0 * (i + 1)  # 30 + 60 + 90 + 120 s = 5 min
+  results["arms"]["dlm_dense"]["tokens_per_sec"] = None  # not measured
+  results["arms"]["ar_moe"]["routing"] = {"steps": [10, 20], "mean_to_final": [0.5, 1.0],
+                                          "report": "ar_moe/analysis/report.md"}
+  paths = double_win_report.write_report(results, str(tmp_path))
+  lines = (tmp_path / "report.md").read_text().split("\n")
+  assert lines[2:6] == [
+      "Four arms, same data, seed (0), batch (8 x 64) and steps (20).",
+      "- Activated parameters per token: dense 1,000, MoE 1,200 (the difference is the "
+      "MoE router's 200 weights); total: dense 1,000, MoE 4,200.",
+      "- Data: 3,000 unique training tokens (5 documents), repeated; 1,024 held-out "
+      "tokens from 2 documents that never enter training.",
+      "- Models: d.gin and m.gin; run file r.gin; extra bindings: none; backend cpu; "
+      "training 5.0 min summed over the arms (evaluation and routing analysis not "
+      "included); this invocation 2.5 min."]
+  table = lines[lines.index("```") + 1:]
+  header = table[0]
+  assert table[1] == "-" * len(header)
+  assert table[2].split() == ["ar_dense", "1,000", "4.6000", "4.6000", "4.0", "4.0",
+                              "100"]
+  assert table[3].split() == ["dlm_dense", "1,000", "4.5000", "±", "0.125", "4.5000",
+                              "±", "0.125", "4.0", "4.0", "nan"]
+  assert table[7].startswith("MoE gain (final): AR +0.1000, DLM +0.4000 ± 0.1768")
+  assert lines[-2:] == ["- ar_moe: epoch 2.0: 0.500, epoch 4.0: 1.000 (full report: "
+                        "ar_moe/analysis/report.md)", ""]
+  saved = json.loads((tmp_path / "double_win.json").read_text())
+  assert saved["summary"]["answers"] == double_win_report.answers(results)
+  assert saved["summary"]["crossover"]["moe"]["epoch"] == 4.0
+  with open(paths["plot"], "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
