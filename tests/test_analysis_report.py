@@ -219,3 +219,20 @@ def test_openmoe_analyze_needs_a_run_or_records_and_reads_true_or_false(capsys):
     assert analyze.PROGRAM.parse(["--output=x", f"--pack={text}"])[0].pack is value
   assert analyze.main(["--output=x", "--model_dir=y", "--pack=maybe"]) == 2
   assert "expected true or false, got 'maybe'" in capsys.readouterr().err
+
+
+def test_openmoe_analyze_defaults_and_the_smallest_values_it_takes(capsys):
+  from openmoe_jax.cli import analyze  # pylint: disable=g-import-not-at-top
+  args = analyze.PROGRAM.parse(["--output=x"])[0]
+  assert (args.checkpoints, args.tasks, args.num_batches, args.batch_size,
+          args.sequence_length, args.pack, args.split, args.num_buckets, args.min_count,
+          args.from_records, args.priority) == (
+              "all", "local_code,local_text", 16, None, None, True, "validation", 8, 5,
+              None, None)
+  ones = analyze.PROGRAM.parse(["--output=x", "--num_batches=1", "--batch_size=1",
+                                "--sequence_length=1", "--num_buckets=1",
+                                "--min_count=1"])[0]
+  assert (ones.num_batches, ones.batch_size, ones.sequence_length, ones.num_buckets,
+          ones.min_count) == (1, 1, 1, 1, 1)
+  assert analyze.main(["--model_dir=y"]) == 2
+  assert "the following arguments are required: --output" in capsys.readouterr().err
