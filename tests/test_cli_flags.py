@@ -231,3 +231,13 @@ def test_the_command_line_is_read_from_sys_argv_by_default(monkeypatch):
   monkeypatch.setattr(flags.sys, "argv", ["openmoe-x", "--verbose"])
   assert program.parse()[0].verbose
   assert program.main(lambda args, gin_flags: 0 if args.verbose else 5) == 0
+
+
+def test_flags_are_never_abbreviated_and_details_follow_the_purpose():
+  program = flags.Program("openmoe-x", "Does x.", ["openmoe-x"],
+                          details="First detail.\nSecond detail.")
+  program.add("--num_batches", type=int)
+  with pytest.raises(flags.UsageError, match="--num_b=3"):
+    program.parse(["--num_b=3"])
+  assert program.parse(["--num_batches=3"])[0].num_batches == 3
+  assert "\n\nDoes x.\n\nFirst detail.\nSecond detail.\n" in program.parser.format_help()
