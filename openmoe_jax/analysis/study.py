@@ -95,10 +95,11 @@ def analyze_records(records: List[RoutingRecord], output: str, meta: Dict,
   say("drop rate, first -> last position bucket: " + "; ".join(
       f"{t} {r[0]:.3f} -> {r[-1]:.3f}" for t, r in results["drops"]["by_task"].items()
       if r[0] is not None and r[-1] is not None))
-  results["stability"] = analyses.routing_stability(records, min_count=min_count)
+  stability = results["stability"] = analyses.routing_stability(
+      records, min_count=min_count)
   say("top-expert overlap with the final checkpoint: " + ", ".join(
-      f"step {s}: {format_number(v)}" for s, v in zip(results["stability"]["steps"],
-                                           results["stability"]["mean_to_final"])))
+      f"step {s}: {format_number(v)}"
+      for s, v in zip(stability["steps"], stability["mean_to_final"])))
   results["domain_load"] = analyses.domain_load(final)
   os.makedirs(output, exist_ok=True)
   out = lambda name: os.path.join(output, name)
