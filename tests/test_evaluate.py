@@ -9,6 +9,7 @@ import pytest
 from openmoe_jax import evaluate as evaluate_lib
 from openmoe_jax import gin_utils, run_loader
 from openmoe_jax.cli import evaluate as evaluate_cli
+from openmoe_jax.cli import flags
 from openmoe_jax.config import ModelConfig
 from openmoe_jax.data import pipeline, vocabulary
 from openmoe_jax.model import Decoder
@@ -161,3 +162,54 @@ def test_heldout_nll_takes_the_callers_mask_id_then_the_objectives_then_the_voca
   nll(MaskedDiffusion(mask_id=0))
   nll(MaskedDiffusion(mask_id=5), mask_id=9, num_samples=2, seed=3)
   assert seen == [(77, 8, 0), (5, 8, 0), (0, 8, 0), (9, 2, 3)]
+
+
+def test_eval_reads_the_runs_task_in_order_once_with_documented_defaults(
+    monkeypatch, capsys):
+  gin_utils.import_configurables()
+  gin.parse_config(["train.objective = @MaskedDiffusion()"])
+  run = run_loader.Run(model_dir="dir", config=ModelConfig(vocab_size=64),
+                       mixture_or_task_name="task", sequence_length=16, batch_size=2,
+                       steps=[3, 7])
+  monkeypatch.setattr(run_loader, "load_run", lambda model_dir: run)
+  monkeypatch.setattr(run_loader, "restore_params", lambda model_dir, step: {})
+  monkeypatch.setattr(run_loader, "check_task", lambda name, flag: checked.append(
+      (name, flag)))
+  monkeypatch.setattr(run_loader, "check_split", lambda name, split: checked.append(
+      (name, split)))
+  monkeypatch.setattr(pipeline, "get_dataset", lambda *args, **kwargs: read.append(
+      (args, kwargs)) or [])
+  monkeypatch.setattr(pipeline, "vocabulary_for", lambda name: object())
+  monkeypatch.setattr(vocabulary, "mask_token_id", lambda vocab: 6)
+  monkeypatch.setattr(evaluate_cli, "evaluate_diffusion",
+                      lambda model, params, batches, objective, mask_id, *rest:
+                      drawn.append(rest) or {"nelbo": 1.0, "b": 2})
+  checked, read, drawn = [], [], []
+  assert evaluate_cli.main(["--model_dir=dir"]) == 0
+  assert checked == [("task", "validation")]  # the run's own task needs no check
+  assert read == [(("task", 16, 2), {"split": "validation", "shuffle": False,
+                                     "repeat": False, "num_batches": 8})]
+  assert drawn == [(16, 0)]  # ELBO draws, seed
+  out = capsys.readouterr().out
+  assert out == json.dumps({"b": 2, "nelbo": 1.0, "objective": "MaskedDiffusion",
+                            "step": 7, "task": "task"}) + "\n"  # sorted keys
+  checked, read, drawn = [], [], []
+  assert evaluate_cli.main(["--model_dir=dir", "--task=other", "--split=train",
+                            "--num_batches=1", "--num_samples=1", "--seed=5",
+                            "--step=3"]) == 0
+  assert checked == [("other", "--task"), ("other", "train")]
+  assert read[0][0] == ("other", 16, 2) and read[0][1]["num_batches"] == 1
+  assert drawn == [(1, 5)]
+  assert json.loads(capsys.readouterr().out)["step"] == 3
+
+
+def test_eval_flag_bounds():
+  parse = lambda *flags_: evaluate_cli.PROGRAM.parse(["--model_dir=d", *flags_])[0]
+  args = parse("--num_batches=1", "--num_samples=1", "--step=0")
+  assert (args.num_batches, args.num_samples, args.step) == (1, 1, 0)
+  assert parse().task is None and parse().step is None
+  for bad in ("--num_batches=0", "--num_samples=0", "--step=-1"):
+    with pytest.raises(flags.UsageError):
+      parse(bad)
+  with pytest.raises(flags.UsageError, match="--model_dir"):
+    evaluate_cli.PROGRAM.parse([])

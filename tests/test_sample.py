@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from openmoe_jax import gin_utils, run_loader
+from openmoe_jax.cli import flags
 from openmoe_jax.cli import sample as sample_cli
 from openmoe_jax.data import pipeline, vocabulary
 from openmoe_jax.config import ModelConfig, MoeConfig
@@ -289,3 +290,70 @@ def test_cli_samples_from_a_trained_run(tmp_path, capsys):
     assert sample_cli.main([f"--model_dir={model_dir}", "--prompt=def ", f"--mode={mode}",
                         "--max_new_tokens=8", "--steps=4"]) == 0
     assert capsys.readouterr().out.startswith("def ")
+
+
+def _fake_run(monkeypatch, objective=None):
+  """A run of CFG on task "task" whose checkpoint and vocabulary are stubs; binds
+  train.objective to `objective` (a gin reference) when given."""
+  gin_utils.import_configurables()
+  if objective:
+    gin.parse_config([f"train.objective = {objective}"])
+  run = run_loader.Run(model_dir="dir", config=CFG, mixture_or_task_name="task",
+                       sequence_length=16, batch_size=1, steps=[3])
+  monkeypatch.setattr(run_loader, "load_run", lambda model_dir: run)
+  monkeypatch.setattr(run_loader, "restore_params", lambda model_dir, step: {})
+  monkeypatch.setattr(pipeline, "vocabulary_for", lambda name: _Vocab())
+  monkeypatch.setattr(vocabulary, "mask_token_id", lambda vocab: 6)
+  calls = []
+
+  def fake(kind):
+    def sample(model, params, prompt_ids, **kwargs):
+      calls.append((kind, list(prompt_ids), kwargs))
+      new = kwargs.get("gen_length", kwargs.get("max_new_tokens"))
+      return np.asarray(list(prompt_ids) + [2] * new, np.int32)
+    return sample
+  monkeypatch.setattr(sample_cli, "sample_autoregressive", fake("ar"))
+  monkeypatch.setattr(sample_cli, "sample_diffusion", lambda *a, **k: fake("diffusion")(
+      *a, **k)[None])
+  return calls
+
+
+def test_cli_mode_overrides_the_runs_objective_and_defaults_are_documented(monkeypatch):
+  calls = _fake_run(monkeypatch, "@MaskedDiffusion()")
+  assert sample_cli.main(["--model_dir=dir", "--prompt=ab", "--mode=ar"]) == 0
+  kind, prompt, kwargs = calls.pop()
+  assert (kind, prompt) == ("ar", [0] + _Vocab().encode("ab"))
+  assert (kwargs["max_new_tokens"], kwargs["temperature"], kwargs["top_p"],
+          kwargs["eos_id"], kwargs["vocab_limit"]) == (64, 0.0, 1.0, 1, 64)
+  assert np.array_equal(kwargs["rng"], jax.random.PRNGKey(0))
+  assert sample_cli.main(["--model_dir=dir", "--prompt=ab"]) == 0  # auto: diffusion
+  kind, prompt, kwargs = calls.pop()
+  assert (kind, prompt) == ("diffusion", _Vocab().encode("ab"))  # no start token
+  assert (kwargs["gen_length"], kwargs["steps"], kwargs["block_length"],
+          kwargs["remasking"], kwargs["temperature"]) == (64, 32, None,
+                                                          "low_confidence", 0.0)
+  # An empty prompt: the diffusion sampler needs one position to condition on.
+  assert sample_cli.main(["--model_dir=dir", "--prompt=", "--steps=1",
+                          "--block_length=1", "--max_new_tokens=1", "--seed=3",
+                          "--remasking=random", "--temperature=0.5"]) == 0
+  kind, prompt, kwargs = calls.pop()
+  assert (kind, prompt) == ("diffusion", [0])
+  assert (kwargs["gen_length"], kwargs["steps"], kwargs["block_length"],
+          kwargs["remasking"], kwargs["temperature"]) == (1, 1, 1, "random", 0.5)
+  assert np.array_equal(kwargs["rng"], jax.random.PRNGKey(3))
+
+
+def test_cli_flag_bounds():
+  parse = lambda *flags_: sample_cli.PROGRAM.parse(["--model_dir=d", *flags_])[0]
+  args = parse("--step=0", "--max_new_tokens=1", "--steps=1", "--block_length=1",
+               "--temperature=0", "--top_p=1")
+  assert (args.step, args.max_new_tokens, args.steps, args.block_length,
+          args.temperature, args.top_p) == (0, 1, 1, 1, 0.0, 1.0)
+  assert parse("--temperature=0.5", "--top_p=0.5").top_p == 0.5
+  assert parse().step is None and parse().mode == "auto" and parse().prompt == ""
+  for bad in ("--step=-1", "--max_new_tokens=0", "--steps=0", "--block_length=0",
+              "--temperature=-0.1", "--top_p=0", "--top_p=1.5"):
+    with pytest.raises(flags.UsageError):
+      parse(bad)
+  with pytest.raises(flags.UsageError, match="--model_dir"):
+    sample_cli.PROGRAM.parse([])
