@@ -135,6 +135,7 @@ CASES = [
     ("openmoe-ablate", ["--arms=tc_sofmax", "--output={tmp}/abl"], "unknown arms"),
     ("openmoe-ablate", ["--steps=1", "--output={tmp}/abl"], "--steps=1"),
     ("openmoe-ablate", ["--steps=ten"], "--steps"),
+    ("openmoe-ablate", ["--steps=0", "--output={tmp}/abl"], "--steps"),  # not the default
     ("openmoe-ablate", ["--run_gin=runs/nope.gin", "--output={tmp}/abl"], "nope.gin"),
     ("openmoe-ablate", ["--gin_file=runs/quickstart.gin"], "--gin_file"),
     ("openmoe-ablate", ["--arms=dense", "--steps=2", "--output={tmp}/abl",
@@ -151,6 +152,8 @@ CASES = [
                          "--gin.TRAIN_STEP=3"], "did you mean TRAIN_STEPS"),
     ("openmoe-upcycle", ["--dense_checkpoint={md}", "--output={tmp}/up", "--seed=x",
                          *UPCYCLE_GIN], "--seed"),
+    ("openmoe-upcycle", ["--dense_checkpoint={md}", "--output={tmp}/up", "--step=-1",
+                         *UPCYCLE_GIN], "--step"),
     # openmoe-params
     ("openmoe-params", ["--gin_file=models/quickstart_moe.gin"], "vocab_size"),
     ("openmoe-params", [*MODEL, "--gin.MoeConfig.top_k=99"], "top_k (99)"),
@@ -174,6 +177,8 @@ CASES = [
     ("openmoe-convert", ["from-t5x", "--checkpoint={tmp}/missing", "--output={tmp}/c",
                          *MODEL], "missing: no such directory"),
     ("openmoe-convert", ["frob", "--model_dir={md}"], "'frob'"),
+    ("openmoe-convert", ["from-t5x", "--checkpoint={md}", "--output={tmp}/c", "--step=-1",
+                         *MODEL], "--step"),
 ]
 
 

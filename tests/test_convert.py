@@ -121,6 +121,16 @@ def test_openmoe_hf_round_trip_is_bit_exact(t5x_export, tmp_path):
            "--max_shard_gb=0.00002")  # ~20 kB shards: exercises the shard index
   files = os.listdir(hf)
   assert "model.safetensors.index.json" in files and "config.json" in files
+  # Shards are filled up to --max_shard_gb (in GiB) of tensor bytes: a shard holds
+  # several tensors unless one alone is larger.
+  with open(os.path.join(hf, INDEX)) as f:
+    weight_map = json.load(f)["weight_map"]
+  reader, per_shard = SafetensorsReader(hf), {}
+  for name, shard in weight_map.items():
+    per_shard.setdefault(shard, []).append(reader.read(name).nbytes)
+  limit = 0.00002 * 2**30
+  assert max(len(sizes) for sizes in per_shard.values()) > 1
+  assert all(sum(sizes) <= limit or len(sizes) == 1 for sizes in per_shard.values())
   with open(os.path.join(hf, "config.json")) as f:
     config = json.load(f)
   assert (config["moe_layer_interval"], config["num_experts"], config["head_dim"]) == (
@@ -130,6 +140,15 @@ def test_openmoe_hf_round_trip_is_bit_exact(t5x_export, tmp_path):
   _, original, _ = load_model(out)
   _, restored, _ = load_model(back)
   jax.tree.map(np.testing.assert_array_equal, original, restored)
+  # --dtype casts on the way in; float32, the default, leaves the values alone.
+  half = str(tmp_path / "half")
+  _convert("from-hf", f"--checkpoint={hf}", f"--output={half}", "--dtype=bfloat16",
+           *GIN)
+  with open(os.path.join(half, "export.json")) as f:
+    assert json.load(f)["dtype"] == "bfloat16"
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(
+      np.asarray(a), np.asarray(b).astype(jnp.bfloat16)), params_export.restore(half),
+               original)
 
 
 def _fails(capsys, *args):

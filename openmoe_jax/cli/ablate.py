@@ -42,7 +42,7 @@ PROGRAM = flags.Program(
     "--dense_model and --moe_model.")
 PROGRAM.add("--arms", default=None, metavar="A,B,...",
             help="comma-separated arms (default: all; see --list)")
-PROGRAM.add("--steps", type=int, default=None,
+PROGRAM.add("--steps", type=flags.int_at_least(1), default=None,
             help=f"training steps per arm (default {ARMS_STEPS}; study: "
                  f"{double_win.StudySettings.steps})")
 PROGRAM.add("--output", default=None, metavar="DIR",

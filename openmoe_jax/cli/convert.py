@@ -63,7 +63,7 @@ def _program() -> flags.Program:
                      help="default: read from config.json's model_type/architectures")
   for p in (t5x, hf_in):
     p.add_argument("--output", required=True, help="params export folder to create")
-    p.add_argument("--step", type=int, default=0,
+    p.add_argument("--step", type=flags.int_at_least(0), default=0,
                    help="step the export (and a run continuing from it) starts at")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   hf_out = sub.add_parser("to-hf", help="MODEL_DIR or params export -> Hugging Face",

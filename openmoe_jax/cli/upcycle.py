@@ -22,7 +22,8 @@ PROGRAM.add("--dense_checkpoint", required=True, metavar="DIR",
             help="MODEL_DIR of the trained dense run")
 PROGRAM.add("--output", required=True, metavar="DIR",
             help="MODEL_DIR to create for the MoE run")
-PROGRAM.add("--step", type=int, default=None, help="dense step (default: the newest)")
+PROGRAM.add("--step", type=flags.int_at_least(0), default=None,
+            help="dense step (default: the newest)")
 PROGRAM.add("--seed", type=int, default=0, help="seed of the fresh routers")
 
 
