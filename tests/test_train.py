@@ -10,6 +10,7 @@ import gin
 import pytest
 
 from openmoe_jax import gin_utils
+from openmoe_jax.cli import flags
 from openmoe_jax.cli import train as train_cli
 from openmoe_jax.trainer import train
 from run_files import logged_losses
@@ -239,3 +240,37 @@ def test_a_failing_run_still_closes_the_checkpointer_and_the_metrics_writers(
   with pytest.raises(RuntimeError, match="device lost"):
     train(print_fn=lambda *_: None)
   assert sorted(closed) == ["Checkpointer", "MetricsLogger"]
+
+
+@pytest.mark.parametrize("bindings,message", [
+    ([], None),  # 8 x 64 = 512 tokens, group_size 64
+    (["MoeConfig.group_size = 512"], None),  # one group: the whole batch
+    (["MoeConfig.group_size = 4096"], None),  # larger than the batch: one group
+    (["MoeConfig.group_size = 100"],
+     "MoeConfig.group_size=100 must divide the 512 tokens of a training batch "
+     "(BATCH_SIZE 8 / train.microbatches 1 x SEQUENCE_LENGTH 64); pick a divisor such "
+     "as 512"),
+    (["train.microbatches = 2", "MoeConfig.group_size = 512"], None),  # 256 a microbatch
+    (["train.microbatches = 2", "MoeConfig.group_size = 100"],
+     "the 256 tokens of a training batch (BATCH_SIZE 8 / train.microbatches 2 x "
+     "SEQUENCE_LENGTH 64); pick a divisor such as 256"),
+    (["train.microbatches = 3", "MoeConfig.group_size = 100"], None),  # train() says
+    (["SEQUENCE_LENGTH = 48", "BATCH_SIZE = 2", "MoeConfig.group_size = 64"],
+     "the 96 tokens of a training batch (BATCH_SIZE 2 / train.microbatches 1 x "
+     "SEQUENCE_LENGTH 48); pick a divisor such as 48"),  # the sequence itself
+    (["ModelConfig.sparse_interval = 0", "MoeConfig.group_size = 100"], None),  # dense
+])
+def test_moe_groups_must_divide_a_training_batch_before_anything_is_written(
+    bindings, message):
+  gin.clear_config()
+  gin_utils.import_configurables()
+  gin_utils.parse_gin(["runs/quickstart.gin"],
+                      ["SEQUENCE_LENGTH = 64", "BATCH_SIZE = 8",
+                       "MoeConfig.group_size = 64", *bindings], finalize=False)
+  if message is None:
+    train_cli._check_moe_groups()  # pylint: disable=protected-access
+  else:
+    with pytest.raises(flags.UsageError) as e:
+      train_cli._check_moe_groups()  # pylint: disable=protected-access
+    assert message in str(e.value)
+  gin.clear_config()
