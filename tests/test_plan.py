@@ -286,3 +286,22 @@ def test_the_text_report_of_a_step_that_fits():
   assert lines[6:] == ["MFU at the given step time: 25.0%"]
   del report["mfu"]  # no --step_time: no such line
   assert len(plan.format_report(report).splitlines()) == 6
+
+
+def test_cli_reads_batch_and_length_from_the_macros_or_their_documented_defaults(
+    monkeypatch, capsys):
+  seen = []
+  monkeypatch.setattr(plan_cli, "plan", lambda topology, **kwargs: seen.append(
+      (topology, kwargs)) or {"fits": True})
+  monkeypatch.setattr(plan_cli, "format_report", lambda report: "text report")
+  base = ["--gin_file=models/quickstart_moe.gin", "--topology=v5e:2x2"]
+  assert plan_cli.main(base) == 0
+  assert seen.pop() == ("v5e:2x2", {"batch_size": 8, "sequence_length": 2048,
+                                    "step_time_s": None})
+  assert capsys.readouterr().out == "text report\n"
+  assert plan_cli.main(base + ["--gin.BATCH_SIZE=32", "--gin.SEQUENCE_LENGTH=512",
+                               "--step_time=0.25"]) == 0
+  assert seen.pop() == ("v5e:2x2", {"batch_size": 32, "sequence_length": 512,
+                                    "step_time_s": 0.25})
+  assert plan_cli.main(["--topology=v5e:2x2"]) == 2
+  assert "--gin_file is required" in capsys.readouterr().err
