@@ -2,6 +2,7 @@
 training that continues from an export, and the export folder's rules."""
 import json
 import os
+import re
 import shutil
 
 import flax.linen as nn
@@ -13,6 +14,7 @@ import pytest
 
 from openmoe_jax import gin_utils, load_model
 from openmoe_jax.checkpoints import Checkpointer
+from openmoe_jax.cli import convert as convert_cli
 from openmoe_jax.config import ModelConfig
 from openmoe_jax.convert import params_export
 from openmoe_jax.model import Decoder
@@ -20,7 +22,7 @@ from openmoe_jax.trainer import TrainState
 from test_convert import GIN, _convert
 
 
-def test_params_export_of_a_training_dir_loads_bit_exactly(tmp_path):
+def test_params_export_of_a_training_dir_loads_bit_exactly(tmp_path, capsys):
   gin.clear_config()
   gin_utils.import_configurables()
   gin_utils.parse_gin([GIN[0].split("=", 1)[1]],
@@ -40,7 +42,14 @@ def test_params_export_of_a_training_dir_loads_bit_exactly(tmp_path):
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b),
                params, restored)
   half = str(tmp_path / "bf16")
-  _convert("params", f"--model_dir={run}", f"--output={half}", "--dtype=bfloat16")
+  # As the console program: exit 0, the step it exported, the seconds it took.
+  capsys.readouterr()
+  assert convert_cli.main(["params", f"--model_dir={run}", f"--output={half}",
+                           "--dtype=bfloat16"]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[0] == f"Wrote the params export of step 5 (4 layers) to {half}"
+  seconds = re.fullmatch(r"Done in (\d+\.\d) s", lines[-1])
+  assert seconds and 0 <= float(seconds.group(1)) < 600, lines
   _, restored, _ = load_model(half)
   assert {str(x.dtype) for x in jax.tree.leaves(restored)} == {"bfloat16"}
 

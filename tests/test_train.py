@@ -274,3 +274,43 @@ def test_moe_groups_must_divide_a_training_batch_before_anything_is_written(
       train_cli._check_moe_groups()  # pylint: disable=protected-access
     assert message in str(e.value)
   gin.clear_config()
+
+
+def _stub_train(monkeypatch, summary):
+  """Replaces the training loop behind openmoe-train by one returning `summary`;
+  returns the list its calls are appended to."""
+  calls, real, check = [], train_cli.train, gin_utils.check_required
+
+  def fake():
+    calls.append(True)
+    return summary
+  monkeypatch.setattr(train_cli, "train", fake)
+  # The required bindings are still checked, on the real (gin-registered) loop.
+  monkeypatch.setattr(gin_utils, "check_required", lambda *configurables: check(
+      *(real if c is fake else c for c in configurables)))
+  return calls
+
+
+def test_the_runs_task_is_checked_before_training_unless_stages_name_theirs(
+    monkeypatch, tmp_path, capsys):
+  calls = _stub_train(monkeypatch, {"final_step": 3})
+  base = ["--gin_file=runs/quickstart.gin", f"--gin.MODEL_DIR={tmp_path}"]
+  assert train_cli.main(base + ["--gin.MIXTURE_OR_TASK_NAME='local_mixx'"]) == 2
+  assert "did you mean 'local_mix'" in _error_line(capsys) and not calls
+  gin.clear_config()
+  stages = ["--gin.train.stages=[@code/Stage()]", "--gin.code/Stage.start_step=0",
+            "--gin.code/Stage.mixture_or_task_name='local_code'"]
+  assert train_cli.main(base + ["--gin.MIXTURE_OR_TASK_NAME=None", *stages]) == 0
+  assert calls == [True]
+  assert "final_step: 3" in capsys.readouterr().out
+
+
+def test_an_interrupted_run_exits_130_after_its_summary(monkeypatch, tmp_path, capsys):
+  _stub_train(monkeypatch, {"final_step": 2, "interrupted": True})
+  assert train_cli.main(["--gin_file=runs/quickstart.gin",
+                         f"--gin.MODEL_DIR={tmp_path}"]) == flags.EXIT_INTERRUPTED == 130
+  assert capsys.readouterr().out.splitlines()[-1] == "           final_step: 2"
+  gin.clear_config()
+  _stub_train(monkeypatch, {"final_step": 2, "interrupted": False})
+  assert train_cli.main(["--gin_file=runs/quickstart.gin",
+                         f"--gin.MODEL_DIR={tmp_path}"]) == 0
