@@ -114,3 +114,14 @@ def test_number_flags_take_their_smallest_value_and_refuse_below():
               "--eval_points=0", "--dlm_samples=1"):
     with pytest.raises(flags.UsageError, match=bad.split("=")[0]):
       parse(bad)
+
+
+def test_the_study_refuses_arms_and_json_and_says_when_it_shortens_the_warmup(
+    study_runs, capsys):
+  for extra in ("--arms=dense", "--json"):
+    assert ablate_cli.main(["--study=double_win", extra]) == 2
+    assert "--study takes no --arms or --json" in capsys.readouterr().err
+  assert not study_runs
+  assert ablate_cli.main(["--study=double_win", "--steps=20"]) == 0
+  assert study_runs.pop()[0].bindings == ("adamw_warmup_cosine.warmup_steps = 2",)
+  assert capsys.readouterr().out.startswith("--steps=20 is not longer than the warmup")
