@@ -114,3 +114,19 @@ def test_norm_scales_are_copied_to_their_own_places():
     d, m = get_layer(dense, dense_slot), get_layer(moe, moe_slot)
     same(m["pre_attention_norm"], d["pre_attention_norm"])
     same(m["pre_moe_norm" if moe_slot.sparse else "pre_mlp_norm"], d["pre_mlp_norm"])
+
+
+def test_the_command_hands_its_flags_to_upcycle(monkeypatch):
+  from openmoe_jax.cli import upcycle as upcycle_cli  # pylint: disable=g-import-not-at-top
+  calls = []
+  monkeypatch.setattr(upcycle_cli, "upcycle", lambda *args, **kwargs: calls.append(
+      (args, kwargs)))
+  gin = ["--gin_file=runs/ablate_tiny.gin", "--gin_file=experiments/openmoe2/upcycled.gin",
+         "--gin.TRAIN_STEPS=3"]
+  assert upcycle_cli.main(["--dense_checkpoint=/d", "--output=/o", *gin]) == 0
+  assert calls.pop() == (("/d", "/o", ["runs/ablate_tiny.gin",
+                                       "experiments/openmoe2/upcycled.gin"],
+                          ["TRAIN_STEPS = 3"]), {"step": None, "seed": 0})
+  assert upcycle_cli.main(["--dense_checkpoint=/d", "--output=/o", "--step=0",
+                           "--seed=7", *gin]) == 0
+  assert calls.pop()[1] == {"step": 0, "seed": 7}
